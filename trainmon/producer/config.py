@@ -1,0 +1,69 @@
+"""Producer settings from environment variables, so a training job needs no setup code."""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .. import kafka_config, topics
+
+
+def _flag(value: str | None) -> bool:
+    return (value or "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def default_run_id(env) -> str:
+    """All ranks of one torchrun job share a run id without any coordination."""
+    for var in ("TRAINMON_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
+        if env.get(var) and env.get(var) != "none":
+            return env[var]
+    return f"run-{uuid.uuid4().hex[:12]}"
+
+
+@dataclass
+class ProducerConfig:
+    bootstrap: str = kafka_config.DEFAULT_BOOTSTRAP
+    run_id: str = ""
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    host: str = field(default_factory=socket.gethostname)
+    topic_prefix: str = topics.DEFAULT_PREFIX
+    kafka: dict = field(default_factory=dict)  # extra kafka-python settings (security)
+    strict: bool = False
+    enabled: bool = True
+    log_file: str | None = None
+    console: bool = False
+    spill_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "trainmon" / "spill")
+    queue_size: int = 100_000
+    linger_ms: int = 20
+    batch_size: int = 256 * 1024
+    compression: str | None = "gzip"
+
+    @classmethod
+    def from_env(cls, env=None, **overrides) -> "ProducerConfig":
+        env = os.environ if env is None else env
+        settings = kafka_config.client_settings(env)
+        spill_dir = env.get("TRAINMON_SPILL_DIR")
+        cfg = cls(
+            bootstrap=",".join(settings.pop("bootstrap_servers")),
+            run_id=default_run_id(env),
+            rank=int(env.get("RANK", 0)),
+            world_size=int(env.get("WORLD_SIZE", 1)),
+            local_rank=int(env.get("LOCAL_RANK", 0)),
+            topic_prefix=env.get("TRAINMON_TOPIC_PREFIX", topics.DEFAULT_PREFIX),
+            kafka=settings,
+            strict=_flag(env.get("TRAINMON_STRICT")),
+            enabled=not _flag(env.get("TRAINMON_DISABLED")),
+            log_file=env.get("TRAINMON_LOG_FILE") or None,
+            console=_flag(env.get("TRAINMON_CONSOLE")),
+            compression=env.get("TRAINMON_KAFKA_COMPRESSION", "gzip") or None,
+        )
+        if spill_dir:
+            cfg.spill_dir = Path(spill_dir)
+        for key, value in overrides.items():
+            setattr(cfg, key, value)
+        return cfg

@@ -1,0 +1,122 @@
+"""The seam between the worker and Kafka: send bytes, report what could not be delivered.
+
+KafkaTransport wraps kafka-python's KafkaProducer (batching, compression, idempotent
+retries). Anything Kafka finally gives up on is handed to ``on_undelivered`` so the
+worker can spill it: the transport itself never drops a record silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Protocol
+
+from .spill import Entry
+
+log = logging.getLogger("trainmon.producer")
+
+
+class TransportUnavailable(Exception):
+    """The broker cannot be reached now; the caller keeps the records and retries later."""
+
+
+class Transport(Protocol):
+    def send(self, entry: Entry) -> None: ...
+    def flush(self, timeout: float) -> bool: ...
+    def close(self, timeout: float) -> None: ...
+
+
+class KafkaTransport:
+    def __init__(self, settings: dict, on_undelivered: Callable[[list[Entry]], None],
+                 max_in_flight: int = 50_000):
+        self._settings = settings
+        self._on_undelivered = on_undelivered
+        # kafka-python 3 has no buffer_memory bound: while the broker is away its
+        # accumulator would grow without limit, so we cap unacknowledged records here
+        # and the worker spills to disk beyond the cap.
+        self._max_in_flight = max_in_flight
+        self._in_flight = 0
+        self._lock = threading.Lock()
+        self._producer = None
+
+    def _connect(self):
+        from kafka import KafkaProducer
+        from kafka.errors import KafkaError
+
+        if self._producer is None:
+            try:
+                self._producer = KafkaProducer(**self._settings)
+            except (KafkaError, OSError) as exc:
+                raise TransportUnavailable(str(exc)) from exc
+            except Exception as exc:  # e.g. a bad setting: say so, keep the records
+                raise TransportUnavailable(f"cannot create KafkaProducer: {exc!r}") from exc
+        return self._producer
+
+    def send(self, entry: Entry) -> None:
+        from kafka.errors import KafkaError
+
+        topic, key, value = entry
+        producer = self._connect()
+        if self._in_flight >= self._max_in_flight:
+            raise TransportUnavailable(f"{self._in_flight} records unacknowledged by Kafka")
+        try:
+            future = producer.send(topic, key=key, value=value)
+        except KafkaError as exc:  # metadata not available within max_block_ms
+            raise TransportUnavailable(str(exc)) from exc
+        with self._lock:
+            self._in_flight += 1
+        future.add_callback(self._delivered)
+        future.add_errback(self._undelivered, entry)
+
+    def _delivered(self, _metadata) -> None:
+        with self._lock:
+            self._in_flight -= 1
+
+    def _undelivered(self, exc: BaseException, entry: Entry) -> None:
+        with self._lock:
+            self._in_flight -= 1
+        log.debug("trainmon: Kafka gave up on a record (%s); spilling it", exc)
+        self._on_undelivered([entry])
+
+    def flush(self, timeout: float) -> bool:
+        from kafka.errors import KafkaError
+
+        if self._producer is None:
+            return True
+        try:
+            self._producer.flush(timeout=timeout)
+            return True
+        except KafkaError:
+            return False
+
+    def close(self, timeout: float) -> None:
+        if self._producer is not None:
+            # Batches still unsent when the timeout ends are aborted; their errbacks spill them.
+            self._producer.close(timeout=timeout)
+            self._producer = None
+
+    def forget_after_fork(self) -> None:
+        # The parent's producer, sockets and sender thread belong to the parent.
+        self._producer = None
+        self._in_flight = 0
+        self._lock = threading.Lock()
+
+
+def kafka_settings(bootstrap: str, extra: dict, *, linger_ms: int, batch_size: int,
+                   compression: str | None) -> dict:
+    return {
+        "bootstrap_servers": bootstrap.split(","),
+        "linger_ms": linger_ms,
+        "batch_size": batch_size,
+        "compression_type": compression,
+        "acks": "all",
+        "enable_idempotence": True,
+        # Short blocking bounds: the worker decides what to do when Kafka is away,
+        # rather than sitting inside kafka-python for a minute.
+        "max_block_ms": 2000,
+        "bootstrap_timeout_ms": 2000,
+        "request_timeout_ms": 10000,
+        "delivery_timeout_ms": 120000,
+        "reconnect_backoff_max_ms": 1000,
+        **extra,
+    }

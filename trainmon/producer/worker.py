@@ -1,0 +1,173 @@
+"""The background worker: a bounded in-memory queue drained by one daemon thread.
+
+The calling (training) thread only appends to a deque. The worker thread serializes,
+hands records to the transport, and when the broker is unreachable moves them to the
+spill file instead of holding them in memory, retrying with backoff. Modelled on the
+Sentry SDK's worker: never block the caller, flush at exit.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Callable
+
+from ..schemas import Record, encode
+from .spill import Entry, SpillFile, claim_orphans
+from .transport import TransportUnavailable
+
+log = logging.getLogger("trainmon.producer")
+
+Observer = Callable[[Record], None]
+
+
+class _Flush:
+    def __init__(self, timeout: float):
+        self.deadline = time.monotonic() + timeout
+        self.done = threading.Event()
+        self.ok = False
+
+
+class _Stop:
+    pass
+
+
+class Worker:
+    def __init__(self, make_transport, spill_dir, spill_name: str, queue_size: int = 100_000,
+                 observers: list[Observer] | None = None):
+        self._make_transport = make_transport
+        self._spill_dir = spill_dir
+        self._spill_name = spill_name
+        self._queue_size = queue_size
+        self._observers = observers or []
+        self.sent = 0
+        self._reset()
+        self_ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (w := self_ref()) and w._reset())
+
+    def _reset(self) -> None:
+        """Fresh state: at construction and in a forked child, which must neither use the
+        parent's thread, sockets or spill file nor send the parent's queued records."""
+        self._items: deque = deque()
+        self._wakeup = threading.Event()
+        self._start_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._spill = SpillFile(self._spill_dir, self._spill_name)
+        self._transport = self._make_transport(self._spill.append)
+        self._retry_at = 0.0
+        self._backoff = 0.5
+        self._closed = False
+
+    @property
+    def spilled(self) -> int:
+        return self._spill.count
+
+    @property
+    def spill_path(self):
+        return self._spill.path
+
+    def submit(self, topic: str, key: bytes, record: Record) -> None:
+        if self._thread is None:
+            self._start()
+        if len(self._items) >= self._queue_size:
+            # The worker is far behind: keep memory bounded and the record safe on disk.
+            self._spill.append([(topic, key, encode(record))])
+            return
+        self._items.append((topic, key, record))
+        if len(self._items) == 1:
+            self._wakeup.set()
+
+    def _start(self) -> None:
+        with self._start_lock:
+            if self._thread is None and not self._closed:
+                self._thread = threading.Thread(target=self._run, name="trainmon-producer", daemon=True)
+                self._thread.start()
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every record so far is acknowledged by Kafka; False if it could not be."""
+        if self._thread is None:
+            self._start()
+        marker = _Flush(timeout)
+        self._items.append(marker)
+        self._wakeup.set()
+        marker.done.wait(timeout + 1.0)
+        return marker.ok
+
+    def close(self, timeout: float = 10.0) -> bool:
+        if self._closed:
+            return True
+        ok = self.flush(timeout)
+        self._closed = True
+        if self._thread is not None:
+            self._items.append(_Stop())
+            self._wakeup.set()
+            self._thread.join(timeout + 1.0)
+        self._transport.close(timeout=max(0.5, timeout / 2))
+        if self._spill.count:
+            log.warning("trainmon: %d records could not reach Kafka; they are kept in %s and "
+                        "sent by the next trainmon producer that starts", self._spill.count,
+                        self._spill.path)
+        self._spill.close()
+        return ok
+
+    # -- worker thread -------------------------------------------------------------
+
+    def _run(self) -> None:
+        self._spill.append(claim_orphans(self._spill_dir, own=self._spill.path))
+        while True:
+            self._wakeup.wait(0.1)
+            self._wakeup.clear()
+            entries: list[Entry] = []
+            while self._items:
+                item = self._items.popleft()
+                if isinstance(item, tuple):
+                    entries.append(self._encode(item))
+                    continue
+                self._deliver(entries)
+                entries = []
+                if isinstance(item, _Stop):
+                    return
+                self._finish_flush(item)
+            if entries or (self._spill.count and time.monotonic() >= self._retry_at):
+                self._deliver(entries)
+
+    def _encode(self, item: tuple) -> Entry:
+        topic, key, record = item
+        for observe in self._observers:
+            try:
+                observe(record)
+            except Exception:  # a local log sink must never cost a record
+                log.exception("trainmon: local log sink failed")
+        return topic, key, encode(record)
+
+    def _deliver(self, entries: list[Entry]) -> None:
+        if time.monotonic() < self._retry_at:
+            self._spill.append(entries)
+            return
+        pending = self._spill.take() + entries
+        for i, entry in enumerate(pending):
+            try:
+                self._transport.send(entry)
+            except TransportUnavailable as exc:
+                self._spill.append(pending[i:])
+                if self._backoff == 0.5:
+                    log.info("trainmon: Kafka unreachable (%s); spilling to %s until it returns",
+                             exc, self._spill.path)
+                self._retry_at = time.monotonic() + self._backoff
+                self._backoff = min(self._backoff * 2, 5.0)
+                return
+            self.sent += 1
+        self._backoff = 0.5
+
+    def _finish_flush(self, marker: _Flush) -> None:
+        if self._spill.count:
+            self._retry_at = 0.0
+            self._deliver([])
+        remaining = marker.deadline - time.monotonic()
+        marker.ok = (remaining > 0 and self._transport.flush(remaining)
+                     and self._spill.count == 0)
+        marker.done.set()

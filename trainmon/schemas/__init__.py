@@ -1,0 +1,86 @@
+"""Record schemas: one pydantic model per record type, and their wire encoding.
+
+``RECORD_TYPES`` maps a kind ("step", "eval", ...) to its model; each kind has its own
+Kafka topic. The wire format is the model's JSON (NaN / Infinity kept as constants).
+"""
+
+from __future__ import annotations
+
+import json
+
+from pydantic import ValidationError
+
+from .envelope import SCHEMA_VERSION, Record
+from .records import (
+    AlertRecord,
+    AllocatorRecord,
+    AllocatorSegment,
+    DatasetRecord,
+    EvalRecord,
+    GpuModelRecord,
+    GpuRecord,
+    MoeRecord,
+    RunRecord,
+    StepRecord,
+)
+
+RECORD_TYPES: dict[str, type[Record]] = {
+    model.kind: model
+    for model in (StepRecord, EvalRecord, MoeRecord, GpuRecord, AllocatorRecord,
+                  DatasetRecord, GpuModelRecord, RunRecord, AlertRecord)
+}
+
+
+class DecodeError(ValueError):
+    """A message that is not a valid record; ``reason`` says why in one line."""
+
+    def __init__(self, kind: str, reason: str):
+        super().__init__(f"{kind}: {reason}")
+        self.kind = kind
+        self.reason = reason
+
+
+def encode(record: Record) -> bytes:
+    return record.model_dump_json(exclude_none=True).encode()
+
+
+def decode(kind: str, data: bytes) -> Record:
+    """Parse one message of topic ``kind``; raises DecodeError naming what is wrong."""
+    model = RECORD_TYPES.get(kind)
+    if model is None:
+        raise DecodeError(kind, f"unknown record kind {kind!r}")
+    try:
+        return model.model_validate_json(data)
+    except ValidationError as exc:
+        version = _schema_version(data)
+        if version is not None and version != SCHEMA_VERSION:
+            raise DecodeError(kind, f"unsupported schema_version {version!r} "
+                                    f"(this trainmon reads {SCHEMA_VERSION})") from exc
+        raise DecodeError(kind, _one_line(exc)) from exc
+
+
+def _schema_version(data: bytes):
+    try:
+        return json.loads(data).get("schema_version")
+    except (ValueError, AttributeError):
+        return None
+
+
+def _one_line(exc: ValidationError) -> str:
+    errors = exc.errors(include_url=False)
+    if errors and errors[0]["type"] == "json_invalid":
+        return f"not JSON: {errors[0]['msg']}"
+    parts = [f"{'.'.join(str(p) for p in e['loc']) or '<root>'}: {e['msg']}" for e in errors[:5]]
+    more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
+    return "; ".join(parts) + more
+
+
+def json_schemas() -> dict[str, dict]:
+    return {kind: model.model_json_schema() for kind, model in RECORD_TYPES.items()}
+
+
+__all__ = [
+    "RECORD_TYPES", "SCHEMA_VERSION", "DecodeError", "Record", "decode", "encode", "json_schemas",
+    "StepRecord", "EvalRecord", "MoeRecord", "GpuRecord", "AllocatorRecord", "AllocatorSegment",
+    "DatasetRecord", "GpuModelRecord", "RunRecord", "AlertRecord",
+]

@@ -1,0 +1,30 @@
+"""The envelope every record carries: who sent it, when, and an id to deduplicate by."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = 1
+
+
+class Record(BaseModel):
+    """Base of all record types. ``kind`` names the record type and its Kafka topic."""
+
+    # NaN and +/-Inf are data here (the alert rules look for them), so JSON keeps them
+    # as the NaN / Infinity constants rather than turning them into null.
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants", validate_default=False)
+
+    kind: ClassVar[str]
+
+    run_id: str = Field(min_length=1, max_length=256)
+    rank: int = Field(ge=0)
+    world_size: int = Field(ge=1)
+    host: str
+    time: datetime
+    # Unique per record and fixed when the record is created, so a resend (retry, spill
+    # replay) carries the same id and consumers can drop the duplicate.
+    event_id: str = Field(min_length=1, max_length=128)
+    schema_version: Literal[1] = SCHEMA_VERSION

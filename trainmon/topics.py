@@ -1,0 +1,32 @@
+"""Topic names: one topic per record kind, under a configurable prefix."""
+
+from __future__ import annotations
+
+import os
+
+from .schemas import RECORD_TYPES
+
+DEFAULT_PREFIX = "trainmon."
+DEADLETTER = "deadletter"
+
+
+def prefix() -> str:
+    return os.environ.get("TRAINMON_TOPIC_PREFIX", DEFAULT_PREFIX)
+
+
+def topic_for(kind: str, topic_prefix: str | None = None) -> str:
+    return f"{prefix() if topic_prefix is None else topic_prefix}{kind}"
+
+
+def kind_of(topic: str, topic_prefix: str | None = None) -> str:
+    p = prefix() if topic_prefix is None else topic_prefix
+    return topic[len(p):] if topic.startswith(p) else topic
+
+
+def all_topics(topic_prefix: str | None = None) -> list[str]:
+    return [topic_for(k, topic_prefix) for k in [*RECORD_TYPES, DEADLETTER]]
+
+
+def record_key(run_id: str, rank: int) -> bytes:
+    # One key per (run, rank): Kafka keeps a key's records in order on one partition.
+    return f"{run_id}/{rank}".encode()
