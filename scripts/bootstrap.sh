@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Sets up everything trainmon needs on a fresh machine, idempotently:
+# a virtualenv in .venv, the Python packages (torch's CPU wheel from ../shared/wheels
+# when present, to skip a multi-GB CUDA download), and the Kafka broker jars via Maven.
+# Quiet when there is nothing to do; one progress line per long step otherwise.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+say() { printf '==> %s\n' "$*" >&2; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+    say "creating virtualenv in $VENV"
+    "$PYTHON" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
+fi
+
+stamp="$VENV/.trainmon-installed"
+want=$(cat pyproject.toml | sha256sum | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    pyver=$("$VENV/bin/python" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+    wheel=$(ls ../shared/wheels/torch-*+cpu-"$pyver"-*.whl 2>/dev/null | head -n1 || true)
+    if [ -n "$wheel" ] && ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
+        say "installing torch (CPU) from $wheel"
+        "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$wheel"
+    elif ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
+        say "no local torch wheel for $pyver; torch comes from PyPI"
+    fi
+    say "installing trainmon and its extras (a few minutes on a fresh machine)"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[dev]'
+    echo "$want" > "$stamp"
+fi
+
+# Kafka broker jars from Maven Central (cached outside git; prints only when fetching).
+"$VENV/bin/python" -c 'from trainmon.broker import fetch; fetch()'

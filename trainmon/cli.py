@@ -1,0 +1,120 @@
+"""The ``trainmon`` command line.
+
+Small commands live here; the bigger ones are delegated to their own modules, each with
+its own ``main(argv)``, so this file stays an index of what trainmon can do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+
+# command -> (module:function, the extra that brings its dependencies)
+DELEGATED = {
+    "sql": ("trainmon.consumers.clickhouse.cli:sql_main", "clickhouse"),
+    "replay": ("trainmon.consumers.clickhouse.cli:replay_main", "clickhouse"),
+    "clickhouse": ("trainmon.consumers.clickhouse.cli:clickhouse_main", "clickhouse"),
+    "demo": ("trainmon.demo:main", "demo"),
+    "roundtrip": ("trainmon.roundtrip:main", None),
+}
+CONSUMERS = {
+    "clickhouse": ("trainmon.consumers.clickhouse.service:main", "clickhouse"),
+    "alerts": ("trainmon.consumers.alerts.service:main", "alerts"),
+    "wandb": ("trainmon.consumers.wandb_sink:main", "wandb"),
+    "aim": ("trainmon.consumers.aim_sink:main", "aim"),
+    "tensorboard": ("trainmon.consumers.tensorboard_sink:main", "tensorboard"),
+}
+
+
+def _call(target: str, extra: str | None, argv: list[str]) -> int:
+    module_name, func = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and not exc.name.startswith("trainmon") and extra:
+            print(f"trainmon: {exc.name!r} is not installed: pip install 'trainmon[{extra}]'",
+                  file=sys.stderr)
+            return 2
+        raise
+    return getattr(module, func)(argv) or 0
+
+
+def _default_broker_dir() -> Path:
+    from .broker import cache_dir
+
+    return Path(os.environ.get("TRAINMON_BROKER_DIR") or cache_dir() / "broker")
+
+
+def cmd_broker(args) -> int:
+    from . import broker, topics
+
+    if args.action == "fetch":
+        print(broker.fetch())
+        return 0
+    b = broker.Broker(args.data_dir, port=args.port, heap=args.heap)
+    if args.action == "start":
+        b.start()
+        b.create_topics(topics.all_topics())
+        print(f"Kafka broker running on {b.bootstrap} (data in {b.data_dir})")
+        print(f"export TRAINMON_KAFKA_BOOTSTRAP={b.bootstrap}")
+    elif args.action == "stop":
+        b.stop()
+        print("Kafka broker stopped")
+    else:
+        print(f"running on {b.bootstrap} (pid {b.pid()})" if b.running() else "not running")
+        return 0 if b.running() else 1
+    return 0
+
+
+def cmd_schema(args) -> int:
+    from .schemas import json_schemas
+
+    schemas = json_schemas()
+    if args.kind:
+        if args.kind not in schemas:
+            print(f"unknown record kind {args.kind!r}; known: {', '.join(schemas)}", file=sys.stderr)
+            return 2
+        schemas = {args.kind: schemas[args.kind]}
+    print(json.dumps(schemas, indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trainmon", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("schema", help="print the JSON Schema of each record type")
+    p.add_argument("kind", nargs="?")
+    p.set_defaults(func=cmd_schema)
+
+    p = sub.add_parser("broker", help="fetch, start, stop the local Kafka broker (KRaft)")
+    p.add_argument("action", choices=["fetch", "start", "stop", "status"])
+    p.add_argument("--data-dir", type=Path, default=_default_broker_dir())
+    p.add_argument("--port", type=int, default=int(os.environ.get("TRAINMON_BROKER_PORT", 0)) or 9092)
+    p.add_argument("--heap", default="512m")
+    p.set_defaults(func=cmd_broker)
+
+    p = sub.add_parser("consume", help="run a consumer service",
+                       description="Consumers: " + ", ".join(CONSUMERS))
+    p.add_argument("name", choices=list(CONSUMERS))
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=lambda a: _call(*CONSUMERS[a.name], a.rest))
+
+    for name, (target, extra) in DELEGATED.items():
+        p = sub.add_parser(name, add_help=False, help=f"see 'trainmon {name} --help'")
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=lambda a, t=target, e=extra: _call(t, e, a.rest))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Consumers: each its own consumer group turning the record streams into a view."""

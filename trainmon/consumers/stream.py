@@ -1,0 +1,135 @@
+"""A consumer group over record topics: decoded records, dead letters, explicit commits.
+
+Every consumer (ClickHouse, alerts, W&B, Aim, TensorBoard) reads through this class:
+it decodes each message into its pydantic record, sends anything undecodable to the
+dead-letter topic with the error and the original bytes, and commits only the offsets
+the caller says it has durably handled.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import signal
+import threading
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka.structs import OffsetAndMetadata
+
+from .. import kafka_config, topics
+from ..schemas import RECORD_TYPES, DecodeError, Record, decode
+
+log = logging.getLogger("trainmon.consumers")
+
+
+@dataclass
+class Message:
+    kind: str
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes
+    record: Record
+
+
+class RecordStream:
+    def __init__(self, group_id: str, kinds: Iterable[str] | None = None, *,
+                 topic_prefix: str | None = None, env: dict | None = None,
+                 on_assign: Callable[[list[TopicPartition]], None] | None = None,
+                 **consumer_settings):
+        self.group_id = group_id
+        self.prefix = topics.prefix() if topic_prefix is None else topic_prefix
+        self.kinds = list(kinds or RECORD_TYPES)
+        self.dead_letters = 0
+        self._settings = kafka_config.client_settings(env)
+        settings = dict(self._settings, group_id=group_id, enable_auto_commit=False,
+                        auto_offset_reset="earliest", max_poll_records=10_000,
+                        fetch_max_bytes=64 * 1024 * 1024, **consumer_settings)
+        self.consumer = KafkaConsumer(**settings)
+        self._dlq: KafkaProducer | None = None
+        listener = _Rebalance(on_assign) if on_assign else None
+        topic_names = [topics.topic_for(k, self.prefix) for k in self.kinds]
+        if listener:
+            self.consumer.subscribe(topic_names, listener=listener)
+        else:
+            self.consumer.subscribe(topic_names)
+
+    def poll(self, timeout_ms: int = 500, max_records: int | None = None) -> list[Message]:
+        batches = self.consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
+        messages: list[Message] = []
+        for tp, records in batches.items():
+            kind = topics.kind_of(tp.topic, self.prefix)
+            for m in records:
+                try:
+                    record = decode(kind, m.value)
+                except DecodeError as exc:
+                    self.dead_letter(m, exc.reason)
+                    continue
+                messages.append(Message(kind, tp.topic, tp.partition, m.offset, m.key, m.value, record))
+        return messages
+
+    def dead_letter(self, message, error: str) -> None:
+        """Publish a message we cannot use, with why, and keep going."""
+        self.dead_letters += 1
+        if self.dead_letters <= 5:
+            log.warning("trainmon: dead-lettering %s[%d]@%d: %s", message.topic,
+                        message.partition, message.offset, error)
+        if self._dlq is None:
+            self._dlq = KafkaProducer(**self._settings, linger_ms=5)
+        body = {
+            "consumer": self.group_id,
+            "topic": message.topic,
+            "partition": message.partition,
+            "offset": message.offset,
+            "error": error,
+            "key": message.key.decode("utf-8", "replace") if message.key else None,
+            "value_base64": base64.b64encode(message.value or b"").decode(),
+        }
+        self._dlq.send(topics.topic_for(topics.DEADLETTER, self.prefix), key=message.key,
+                       value=json.dumps(body).encode())
+
+    def commit(self, messages: Iterable[Message] | None = None, offsets: dict | None = None) -> None:
+        """Commit the next offset after the given messages (or explicit offsets)."""
+        if offsets is None:
+            offsets = {}
+            for m in messages or ():
+                tp = TopicPartition(m.topic, m.partition)
+                offsets[tp] = max(offsets.get(tp, -1), m.offset + 1)
+        if self._dlq is not None:
+            self._dlq.flush(10)  # dead letters are durable before their offsets are committed
+        if offsets:
+            self.consumer.commit({tp: OffsetAndMetadata(o, "", -1) for tp, o in offsets.items()})
+
+    def commit_polled(self) -> None:
+        """Commit the positions of everything polled so far (dead letters included)."""
+        if self._dlq is not None:
+            self._dlq.flush(10)
+        self.consumer.commit()
+
+    def close(self) -> None:
+        if self._dlq is not None:
+            self._dlq.close(5)
+        self.consumer.close(autocommit=False)
+
+
+class _Rebalance:
+    def __init__(self, on_assign):
+        self._on_assign = on_assign
+
+    def on_partitions_revoked(self, revoked):
+        pass
+
+    def on_partitions_assigned(self, assigned):
+        self._on_assign(list(assigned))
+
+
+def stop_on_signals() -> threading.Event:
+    """An event set by SIGTERM / SIGINT, so a service finishes its batch and commits."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
