@@ -30,6 +30,10 @@ from .worker import Worker
 log = logging.getLogger("trainmon.producer")
 UTC = timezone.utc
 
+# kafka-python logs every refused connection at ERROR; during a broker outage that would
+# flood the training job's console. trainmon reports outages itself in one line.
+logging.getLogger("kafka").setLevel(os.environ.get("TRAINMON_KAFKA_LOG_LEVEL", "CRITICAL").upper())
+
 
 class Producer:
     def __init__(self, config: ProducerConfig | None = None, **overrides: Any):

@@ -1,0 +1,164 @@
+"""The producer against a broker that is late, goes away, or gets bad input."""
+
+import logging
+import os
+import time
+
+import pytest
+from pydantic import ValidationError
+
+from trainmon.broker import Broker, free_port
+from trainmon.producer import Producer, ProducerConfig
+
+from .conftest import read_records
+
+
+@pytest.fixture
+def own_broker(tmp_path):
+    """A broker this test may stop and start; the shared one stays untouched."""
+    broker = Broker(tmp_path / "kafka", port=free_port())
+    yield broker
+    broker.stop()
+
+
+def step_fields(step):
+    return dict(step_tokens=4096, duration_ms=50.0, loss=2.0 - step / 1000, norm=1.0, lr=1e-4)
+
+
+def assert_exactly_once(records, producer_count_expected):
+    ids = [r.event_id for r in records]
+    assert len(ids) == producer_count_expected
+    assert len(set(ids)) == len(ids), "a record arrived twice"
+
+
+def test_broker_late_then_gone_for_10s_loses_nothing(own_broker, tmp_path):
+    """Broker not started when the job begins, and stopped for 10 s mid-run."""
+    producer = Producer(ProducerConfig(bootstrap=own_broker.bootstrap, run_id="outage",
+                                       topic_prefix="o.", spill_dir=tmp_path / "spill", linger_ms=5))
+    logged = 0
+    for step in range(50):  # no broker yet: the loop must not notice
+        started = time.perf_counter()
+        assert producer.log_step(step, **step_fields(step))
+        assert time.perf_counter() - started < 0.05
+        logged += 1
+    deadline = time.monotonic() + 30
+    while producer.spilled < 50 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert producer.spilled == 50, "records should be waiting in the spill file"
+
+    own_broker.start()
+    for step in range(50, 100):
+        producer.log_step(step, **step_fields(step))
+        logged += 1
+    assert producer.flush(60)
+
+    own_broker.stop()
+    outage_started = time.monotonic()
+    step = 100
+    while time.monotonic() - outage_started < 10:
+        producer.log_step(step, **step_fields(step))
+        logged += 1
+        step += 1
+        time.sleep(0.05)
+    own_broker.start()
+    for step in range(step, step + 50):
+        producer.log_step(step, **step_fields(step))
+        logged += 1
+    assert producer.flush(90)
+    producer.close()
+
+    received = read_records(own_broker.bootstrap, "o.", "step", logged, timeout=60)
+    assert_exactly_once(received, logged)
+    assert sorted(r.step for r in received) == list(range(logged))
+
+
+def test_records_spilled_at_exit_are_sent_by_the_next_producer(own_broker, tmp_path):
+    spill = tmp_path / "spill"
+    first = Producer(ProducerConfig(bootstrap=own_broker.bootstrap, run_id="exit", rank=0,
+                                    topic_prefix="x.", spill_dir=spill))
+    for step in range(20):
+        first.log_step(step, **step_fields(step))
+    assert not first.close(timeout=3)  # the broker never came: nothing delivered...
+    assert list(spill.glob("*.spill")), "...but everything is kept on disk"
+
+    own_broker.start()
+    second = Producer(ProducerConfig(bootstrap=own_broker.bootstrap, run_id="exit", rank=0,
+                                     topic_prefix="x.", spill_dir=spill))
+    second.log_step(20, **step_fields(20))
+    assert second.close(timeout=30)
+    received = read_records(own_broker.bootstrap, "x.", "step", 21)
+    assert_exactly_once(received, 21)
+    assert not list(spill.glob("*.spill"))
+
+
+def test_strict_mode_raises_a_field_named_error(make_producer):
+    producer = make_producer(strict=True)
+    with pytest.raises(ValidationError, match="step_tokens"):
+        producer.log_step(1, step_tokens=-1, duration_ms=1.0, loss=1.0, norm=1.0, lr=1.0)
+    with pytest.raises(ValidationError, match="split"):
+        producer.log_dataset("validation", files=1, tokens=1)
+
+
+def test_default_mode_counts_logs_once_and_keeps_going(make_producer, bootstrap, topic_prefix, caplog):
+    producer = make_producer()
+    with caplog.at_level(logging.WARNING, logger="trainmon.producer"):
+        for step in range(10):
+            if step % 3 == 0:
+                assert not producer.log_step(step, step_tokens="many", duration_ms=1.0, loss=1.0,
+                                             norm=1.0, lr=1.0)
+            else:
+                assert producer.log_step(step, **step_fields(step))
+        assert not producer.log_eval(1, eval_tokens=-4, duration_ms=1.0, loss=1.0)
+    assert producer.rejected == {"step": 4, "eval": 1}
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2 and "step_tokens" in warnings[0] and "eval_tokens" in warnings[1]
+    assert producer.flush(20)
+    received = read_records(bootstrap, topic_prefix, "step", 6)
+    assert sorted(r.step for r in received) == [1, 2, 4, 5, 7, 8]
+
+
+def test_forked_child_neither_inherits_the_queue_nor_a_dead_thread(make_producer, bootstrap,
+                                                                    topic_prefix):
+    producer = make_producer(run_id="fork")
+    producer.log_step(0, **step_fields(0))
+    producer._worker._items.append(("never", b"k", None))  # a record still queued at fork time
+    producer._worker._items.pop()
+    for step in range(1, 5):
+        producer.log_step(step, **step_fields(step))
+    pid = os.fork()
+    if pid == 0:  # the child, like a DataLoader worker, logs through the inherited producer
+        code = 0
+        try:
+            producer.log_step(1000, **step_fields(1000))
+            code = 0 if producer.flush(20) else 3
+            producer.close()
+        except BaseException:
+            code = 4
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert producer.flush(20)
+    received = read_records(bootstrap, topic_prefix, "step", 6)
+    assert sorted(r.step for r in received) == [0, 1, 2, 3, 4, 1000]
+    assert len({r.event_id for r in received}) == 6
+
+
+def test_local_json_log_and_console_line(make_producer, tmp_path, capsys):
+    import json
+
+    log_file = tmp_path / "train.jsonl"
+    producer = make_producer(log_file=str(log_file), console=True)
+    for step in range(1, 4):
+        producer.log_step(step, step_tokens=125_300, duration_ms=1000.0, loss=3.0 - step, norm=0.1,
+                          lr=1e-4, total_steps=8)
+    producer.log_step(4, step_tokens=125_300, duration_ms=1000.0, loss=0.5, norm=5.0, lr=1e-4,
+                      total_steps=8)
+    assert producer.flush(20)
+    producer.close()
+    lines = [json.loads(line) for line in log_file.read_text().splitlines()]
+    assert [line["log"] for line in lines] == ["step"] * 4
+    assert lines[0]["step"] == 1 and lines[0]["loss"] == 2.0 and "event_id" not in lines[0]
+    console = capsys.readouterr().err.splitlines()
+    assert console[0].startswith(":: step 1 [ 12.5%] - loss 2.0000 | norm 0.1000 | 125.3k tps")
+    assert console[1].startswith(":: step 2 [ 25.0%] \\ loss 1.0000")
+    assert "|!norm 5.0000" in console[3] and console[3].endswith("eta 00h00m")

@@ -1,0 +1,73 @@
+import json
+import math
+import subprocess
+import sys
+from datetime import datetime, timezone
+
+import pytest
+from pydantic import ValidationError
+
+from trainmon.schemas import RECORD_TYPES, DecodeError, EvalRecord, StepRecord, decode, encode
+
+ENVELOPE = dict(run_id="r", rank=0, world_size=2, host="h", time=datetime.now(timezone.utc),
+                event_id="e-1")
+
+
+def step(**fields):
+    base = dict(step=1, epoch=0.0, step_tokens=1000, duration_ms=500.0, loss=2.0, norm=1.0, lr=1e-4)
+    return StepRecord(**ENVELOPE, **{**base, **fields})
+
+
+def test_nan_and_inf_survive_json_unchanged():
+    record = step(loss=math.nan, norm=math.inf, params_norm=-math.inf, losses={"aux": math.nan})
+    wire = encode(record)
+    assert b"NaN" in wire and b"Infinity" in wire
+    back = decode("step", wire)
+    assert math.isnan(back.loss) and back.norm == math.inf and back.params_norm == -math.inf
+    assert math.isnan(back.losses["aux"])
+    assert encode(back) == wire
+
+
+def test_derived_fields():
+    assert step(step_tokens=1000, duration_ms=500.0).tokens_per_second == 2000.0
+    ev = EvalRecord(**ENVELOPE, step=1, epoch=0, eval_tokens=10, duration_ms=100.0, loss=math.log(5))
+    assert ev.perplexity == pytest.approx(5.0) and ev.tokens_per_second == 100.0
+    assert EvalRecord(**ENVELOPE, step=1, epoch=0, eval_tokens=1, duration_ms=1, loss=1e6).perplexity == math.inf
+
+
+@pytest.mark.parametrize("fields, field_name", [
+    ({"loss": "not a number"}, "loss"),
+    ({"step": -1}, "step"),
+    ({"step_tokens": -5}, "step_tokens"),
+    ({"num_zeros": -1}, "num_zeros"),
+    ({"lossy": 1.0}, "lossy"),
+])
+def test_bad_input_names_the_field(fields, field_name):
+    with pytest.raises(ValidationError) as info:
+        step(**fields)
+    assert field_name in str(info.value)
+
+
+def test_unknown_split_names_the_value():
+    with pytest.raises(ValidationError) as info:
+        RECORD_TYPES["dataset"](**ENVELOPE, split="validation", files=1, tokens=1)
+    assert "split" in str(info.value) and "'train'" in str(info.value)
+
+
+def test_decode_errors_say_why():
+    with pytest.raises(DecodeError, match="not JSON"):
+        decode("step", b"\x00garbage")
+    with pytest.raises(DecodeError, match="step_tokens"):
+        decode("step", encode(step()).replace(b'"step_tokens":1000', b'"step_tokens":-3'))
+    with pytest.raises(DecodeError, match="unsupported schema_version 7"):
+        decode("step", encode(step()).replace(b'"schema_version":1', b'"schema_version":7'))
+    with pytest.raises(DecodeError, match="unknown record kind"):
+        decode("nope", b"{}")
+
+
+def test_schema_command_prints_every_record_type():
+    out = subprocess.run([sys.executable, "-m", "trainmon", "schema"], check=True,
+                         capture_output=True, text=True).stdout
+    schemas = json.loads(out)
+    assert set(schemas) == set(RECORD_TYPES)
+    assert "loss_scale" in schemas["step"]["properties"]
