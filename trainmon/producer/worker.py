@@ -25,6 +25,11 @@ log = logging.getLogger("trainmon.producer")
 Observer = Callable[[Record], None]
 
 
+_WAKE_AT = 2000  # queued records that wake the worker before its next tick
+_TICK_S = 0.02
+_YIELD_EVERY = 16  # the worker's drain interval: the most a record waits before it is sent
+
+
 class _Flush:
     def __init__(self, timeout: float):
         self.deadline = time.monotonic() + timeout
@@ -78,7 +83,9 @@ class Worker:
             self._spill.append([(topic, key, encode(record))])
             return
         self._items.append((topic, key, record))
-        if len(self._items) == 1:
+        # The worker drains on its own every few ms; waking it per record would make it
+        # take the GIL from the training thread right in the middle of the log call.
+        if len(self._items) == _WAKE_AT:
             self._wakeup.set()
 
     def _start(self) -> None:
@@ -119,13 +126,17 @@ class Worker:
     def _run(self) -> None:
         self._spill.append(claim_orphans(self._spill_dir, own=self._spill.path))
         while True:
-            self._wakeup.wait(0.1)
+            self._wakeup.wait(_TICK_S)
             self._wakeup.clear()
             entries: list[Entry] = []
             while self._items:
                 item = self._items.popleft()
                 if isinstance(item, tuple):
                     entries.append(self._encode(item))
+                    if len(entries) % _YIELD_EVERY == 0:
+                        # Hand the GIL back to the training thread now and then, instead
+                        # of making it wait out the interpreter's 5 ms switch interval.
+                        time.sleep(0)
                     continue
                 self._deliver(entries)
                 entries = []
