@@ -1,0 +1,341 @@
+"""The loop every forwarder (W&B, Aim, TensorBoard) runs: poll a batch, hand each run's
+new points to the sink, make them durable, record progress, then commit offsets.
+
+Exactly what reaches a sink is decided here, so the three sinks behave the same:
+- Idempotence: records of one (run, rank, kind[, GPU]) stream share a partition and
+  arrive in order, so each stream's highest forwarded step (its high-water mark) tells
+  which records a sink already has. Records at or below it are skipped: a replay of the
+  topics (a new consumer group, offsets reset) or a producer resend adds no point.
+- Order of durability: sink writes -> sink flush -> progress file (atomic rename) ->
+  Kafka commit. A crash anywhere re-reads records the marks then skip or re-send.
+- Back-pressure: one batch at a time; the next poll waits until this one is flushed and
+  committed, so a slow sink makes consumer lag grow in Kafka, not memory here.
+- A sink failure (disk full, a locked run) never loses data: the batch is rewound and
+  retried after a pause (marks and offsets stay where they were).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import importlib
+import json
+import logging
+import os
+import re
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from kafka import TopicPartition
+
+from ..schemas import (DatasetRecord, GpuModelRecord, Record, RunRecord)
+from .metric_names import STEP_KINDS, stream_key
+from .stream import Message, RecordStream, stop_on_signals
+
+log = logging.getLogger("trainmon.forwarders")
+
+# Kinds a forwarder reads; alerts are not mirrored (they are their own consumer's output).
+FORWARDED_KINDS = (*STEP_KINDS, "run", "gpu_model", "dataset")
+
+
+class MissingDependency(RuntimeError):
+    """An optional library a forwarder needs is not installed."""
+
+
+def require(module: str, extra: str):
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        raise MissingDependency(
+            f"trainmon: the {extra} forwarder needs {module!r}, which is not installed: "
+            f"pip install 'trainmon[{extra}]'") from exc
+
+
+def safe_name(run_id: str) -> str:
+    """A file / id friendly spelling of a run id; unchanged when it already is one."""
+    if re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", run_id) and run_id not in (".", ".."):
+        return run_id
+    cleaned = re.sub(r"[^A-Za-z0-9_.-]+", "_", run_id)[:48].strip("._") or "run"
+    return f"{cleaned}-{hashlib.sha1(run_id.encode()).hexdigest()[:10]}"
+
+
+# -- progress: what each run has already received -------------------------------------
+
+@dataclass
+class RunProgress:
+    run_id: str
+    high_water: dict[str, int] = field(default_factory=dict)  # stream key -> highest step
+    config: dict[str, Any] = field(default_factory=dict)  # the config last synced
+    ended: str | None = None  # run end status, once forwarded
+    sink: dict[str, Any] = field(default_factory=dict)  # sink-specific, e.g. the Aim run hash
+
+
+class ProgressStore:
+    """One JSON file per trainmon run under ``root``, replaced atomically."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._cache: dict[str, RunProgress] = {}
+
+    def _path(self, run_id: str) -> Path:
+        return self.root / f"{safe_name(run_id)}.json"
+
+    def get(self, run_id: str) -> RunProgress:
+        progress = self._cache.get(run_id)
+        if progress is None:
+            path = self._path(run_id)
+            if path.exists():
+                data = json.loads(path.read_text())
+                progress = RunProgress(**{k: data[k] for k in data if k in RunProgress.__dataclass_fields__})
+            else:
+                progress = RunProgress(run_id)
+            self._cache[run_id] = progress
+        return progress
+
+    def save(self, progress: RunProgress) -> None:
+        path = self._path(progress.run_id)
+        tmp = path.with_suffix(".json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(progress.__dict__, f, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dir_fd = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        self._cache[progress.run_id] = progress
+
+
+# -- what one batch asks of a sink --------------------------------------------------------
+
+@dataclass
+class RunWork:
+    """A run's share of one batch, already filtered against its progress."""
+    run_id: str
+    progress: RunProgress  # the progress as it will be once this work is durable
+    records: list[Record] = field(default_factory=list)  # new step-carrying records, by (step, rank)
+    config: dict[str, Any] | None = None  # the whole config, when it changed
+    start: RunRecord | None = None  # the run start record, for names and project
+    ended: str | None = None  # end status, when the run ended in this batch
+
+    @property
+    def empty(self) -> bool:
+        return not self.records and self.config is None and self.ended is None
+
+
+class Sink(Protocol):
+    name: str
+
+    def write(self, work: RunWork) -> None: ...
+
+    def flush(self) -> None:
+        """Return once everything written so far survives a crash of this process."""
+
+    def close_idle(self, idle_seconds: float) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def config_updates(record: Record) -> dict[str, Any]:
+    """What a non-metric record adds to the run's config (synced to W&B config, Aim params,
+    a TensorBoard text summary)."""
+    if isinstance(record, RunRecord):
+        info = {"run_id": record.run_id, "world_size": record.world_size}
+        info.update({k: v for k, v in (("hostnames", record.hostnames), ("versions", record.versions),
+                                       ("name", record.name), ("project", record.project)) if v})
+        return {**record.config, "trainmon": info}
+    if isinstance(record, GpuModelRecord):
+        key = "gpu" if (record.rank, record.id) == (0, 0) else f"gpu-{record.rank}-{record.id}"
+        return {key: record.model_dump(mode="json", exclude={"run_id", "time", "event_id",
+                                                              "schema_version", "world_size"})}
+    if isinstance(record, DatasetRecord):
+        return {"dataset": {record.split: record.model_dump(
+            mode="json", include={"files", "tokens", "file_index", "chunk_index", "seed"})}}
+    return {}
+
+
+def _merge(base: dict, updates: dict) -> dict:
+    merged = dict(base)
+    for key, value in updates.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def plan(messages: list[Message], store: ProgressStore) -> tuple[dict[str, RunWork], int]:
+    """Split a batch by run and drop what each run already has. Returns (work, skipped)."""
+    works: dict[str, RunWork] = {}
+    skipped = 0
+    for message in messages:
+        record = message.record
+        work = works.get(record.run_id)
+        if work is None:
+            work = works[record.run_id] = RunWork(record.run_id, copy.deepcopy(store.get(record.run_id)))
+        progress = work.progress
+        if record.kind in STEP_KINDS:
+            key = stream_key(record)
+            if record.step <= progress.high_water.get(key, -1):
+                skipped += 1
+                continue
+            progress.high_water[key] = record.step
+            work.records.append(record)
+            continue
+        if isinstance(record, RunRecord) and record.event == "end":
+            if progress.ended == record.status:
+                skipped += 1
+            else:
+                progress.ended = work.ended = record.status
+            continue
+        if isinstance(record, RunRecord):
+            work.start = record
+        merged = _merge(progress.config, config_updates(record))
+        if merged != progress.config:
+            progress.config = work.config = merged
+        else:
+            skipped += 1
+    for work in works.values():
+        work.records.sort(key=lambda r: (r.step, r.rank))
+    return works, skipped
+
+
+# -- the loop ---------------------------------------------------------------------------
+
+@dataclass
+class ForwarderStats:
+    batches: int = 0
+    records: int = 0
+    skipped: int = 0
+    rejected: int = 0
+    retries: int = 0
+    seconds_in_sink: float = 0.0
+
+
+class Forwarder:
+    def __init__(self, sink: Sink, stream: RecordStream, store: ProgressStore, *,
+                 batch_records: int = 5000, linger_ms: int = 500,
+                 idle_close_seconds: float = 600.0, retry_seconds: float = 5.0):
+        self.sink = sink
+        self.stream = stream
+        self.store = store
+        self.batch_records = batch_records
+        self.linger_ms = linger_ms
+        self.idle_close_seconds = idle_close_seconds
+        self.retry_seconds = retry_seconds
+        self.stats = ForwarderStats()
+
+    def poll_batch(self) -> list[Message]:
+        """Up to batch_records messages, waiting at most linger_ms once the first arrived."""
+        messages = self.stream.poll(timeout_ms=self.linger_ms, max_records=self.batch_records)
+        deadline = time.monotonic() + self.linger_ms / 1000
+        while messages and len(messages) < self.batch_records:
+            left_ms = int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                break
+            more = self.stream.poll(timeout_ms=left_ms, max_records=self.batch_records - len(messages))
+            if not more:
+                break
+            messages.extend(more)
+        return messages
+
+    def handle(self, messages: list[Message]) -> None:
+        """Forward one batch and commit it; on a sink failure rewind it for a retry."""
+        works, skipped = plan(messages, self.store)
+        started = time.monotonic()
+        try:
+            written = self._write(works)
+            self.sink.flush()
+        except Exception:
+            log.exception("trainmon: %s forwarder failed to write a batch; retrying in %.0f s",
+                          self.sink.name, self.retry_seconds)
+            self.stats.retries += 1
+            self._rewind(messages)
+            time.sleep(self.retry_seconds)
+            return
+        finally:
+            self.stats.seconds_in_sink += time.monotonic() - started
+        for work in written:
+            self.store.save(work.progress)
+        self.stream.commit_polled()
+        self.stats.batches += 1
+        self.stats.records += len(messages)
+        self.stats.skipped += skipped
+
+    def _write(self, works: dict[str, RunWork]) -> list[RunWork]:
+        written = [work for work in works.values() if not work.empty]
+        for work in written:
+            self.sink.write(work)
+        return written
+
+    def _rewind(self, messages: list[Message]) -> None:
+        first: dict[TopicPartition, int] = {}
+        for m in messages:
+            tp = TopicPartition(m.topic, m.partition)
+            first[tp] = min(first.get(tp, m.offset), m.offset)
+        for tp, offset in first.items():
+            self.stream.consumer.seek(tp, offset)
+
+    def run(self, stop: threading.Event | None = None, exit_when_idle: float | None = None) -> ForwarderStats:
+        """Forward until ``stop`` is set (or, with exit_when_idle, no record came for that long)."""
+        stop = stop or threading.Event()
+        last_record = time.monotonic()
+        while not stop.is_set():
+            messages = self.poll_batch()
+            if messages or not self.stream.consumer.assignment():
+                # Idle time counts from joining the group, not from before it.
+                if messages:
+                    self.handle(messages)
+                last_record = time.monotonic()
+            elif exit_when_idle is not None and time.monotonic() - last_record >= exit_when_idle:
+                break
+            self.sink.close_idle(self.idle_close_seconds)
+        return self.stats
+
+
+# -- the command line shared by the three forwarders ---------------------------------------
+
+def arg_parser(sink_name: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"trainmon consume {sink_name}", description=description)
+    parser.add_argument("--group", default=f"trainmon-{sink_name}",
+                        help="Kafka consumer group (default: %(default)s)")
+    parser.add_argument("--topic-prefix", default=None, help="default: TRAINMON_TOPIC_PREFIX or 'trainmon.'")
+    parser.add_argument("--batch-records", type=int, default=5000,
+                        help="records per batch, the unit of write + commit (default: %(default)s)")
+    parser.add_argument("--linger-ms", type=int, default=500,
+                        help="how long to wait to fill a batch (default: %(default)s)")
+    parser.add_argument("--idle-close-seconds", type=float, default=600.0,
+                        help="close a run's handle after this long without records (default: %(default)s)")
+    parser.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS",
+                        help="exit once no record arrived for this long (catch-up / replay jobs)")
+    return parser
+
+
+def serve(args: argparse.Namespace, make_sink: Callable[[], tuple[Sink, Path]]) -> int:
+    """Build the sink, run the forwarder until SIGTERM / SIGINT, close cleanly."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        sink, state_dir = make_sink()
+    except MissingDependency as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    stop = stop_on_signals()
+    stream = RecordStream(args.group, FORWARDED_KINDS, topic_prefix=args.topic_prefix)
+    forwarder = Forwarder(sink, stream, ProgressStore(state_dir), batch_records=args.batch_records,
+                          linger_ms=args.linger_ms, idle_close_seconds=args.idle_close_seconds)
+    log.info("trainmon: forwarding to %s (group %s)", sink.name, args.group)
+    try:
+        stats = forwarder.run(stop, exit_when_idle=args.exit_when_idle)
+    finally:
+        sink.close()
+        stream.close()
+    log.info("trainmon: %s forwarder stopped: %s", sink.name, stats)
+    return 0

@@ -1,0 +1,109 @@
+"""Records -> named scalars, named as Surogate names them for W&B and Aim.
+
+One mapping shared by the W&B, Aim and TensorBoard forwarders, so the three dashboards
+show the same series: train/loss, train/norm, train/lr, train/tokens_per_second,
+eval/loss, train/aux_loss, gpu/clock, gpu/power, ... with dram_free in MiB and
+pcie_rx / pcie_tx in MiB/s, and allocator/{segment}_mib per allocator segment.
+
+Two spellings of a name, because the backends differ in how they tell series apart:
+- ``flat_name`` (W&B, TensorBoard): everything in the name. Rank 0 gets the plain
+  Surogate names; rank r > 0 gets a ``rank{r}/`` prefix; a GPU other than id 0 gets
+  ``gpu/{id}/{metric}`` (Surogate's W&B names have no GPU id, Surogate's Aim ones do).
+- ``aim_name`` (Aim): Surogate's Aim names (``gpu/{id}/{metric}``); the rank and the
+  subset go into the Aim context instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..schemas import (AllocatorRecord, EvalRecord, GpuRecord, MoeRecord, Record, StepRecord)
+
+MIB = 1024 ** 2
+
+# StepRecord fields forwarded as train/<field>; step_tokens, total_steps and num_params
+# are left out as Surogate does (a count per step or a constant, not a curve).
+_STEP_FIELDS = ("loss", "norm", "lr", "tokens_per_second", "epoch", "duration_ms",
+                "loss_scale", "params_norm", "num_zeros", "consumed_samples", "skipped",
+                "global_batch_size", "tflops_per_gpu", "sol_percent")
+_EVAL_FIELDS = ("loss", "tokens_per_second", "epoch", "duration_ms", "perplexity")
+_MOE_FIELDS = ("aux_loss", "z_loss", "expert_utilization", "load_imbalance")
+_GPU_FIELDS = ("clock", "max_clock", "power", "power_limit", "temperature", "temp_slowdown",
+               "gpu_util", "mem_util", "fan", "energy")
+_GPU_MIB_FIELDS = ("dram_free", "pcie_rx", "pcie_tx")  # bytes -> MiB, bytes/s -> MiB/s
+_TORCH_MEMORY_FIELDS = ("allocated", "peak_allocated", "active", "inactive", "reserved")
+
+STEP_KINDS = ("step", "eval", "moe", "gpu", "allocator")
+
+
+@dataclass(frozen=True)
+class Scalar:
+    metric: str  # Surogate name without rank or GPU id: "train/loss", "gpu/clock", ...
+    value: float
+    subset: str = "train"  # "train" | "eval", Aim's context
+    gpu: int | None = None  # GPU id for gpu/* metrics
+
+    def flat_name(self, rank: int) -> str:
+        name = self.metric
+        if self.gpu:  # GPU 0 keeps Surogate's plain gpu/<metric>
+            name = f"gpu/{self.gpu}/{self.metric.removeprefix('gpu/')}"
+        return name if rank == 0 else f"rank{rank}/{name}"
+
+    def aim_name(self) -> str:
+        if self.gpu is None:
+            return self.metric
+        return f"gpu/{self.gpu}/{self.metric.removeprefix('gpu/')}"
+
+
+def scalars(record: Record) -> list[Scalar]:
+    """The scalars of one record; empty for kinds that carry no step (run, dataset, ...)."""
+    if isinstance(record, StepRecord):
+        out = _fields(record, _STEP_FIELDS, "train/")
+        for name, value in (record.losses or {}).items():
+            out.append(Scalar(f"train/losses/{name}", float(value)))
+        for name, ms in (record.timers or {}).items():
+            out.append(Scalar(f"timers/{name}_ms", float(ms)))
+        return out
+    if isinstance(record, EvalRecord):
+        return _fields(record, _EVAL_FIELDS, "eval/", subset="eval")
+    if isinstance(record, MoeRecord):
+        return _fields(record, _MOE_FIELDS, "train/")
+    if isinstance(record, GpuRecord):
+        out = [Scalar(f"gpu/{f}", float(v), gpu=record.id) for f in _GPU_FIELDS
+               if (v := getattr(record, f)) is not None and not (f == "fan" and v == 0)]
+        out += [Scalar(f"gpu/{f}", getattr(record, f) / MIB, gpu=record.id) for f in _GPU_MIB_FIELDS]
+        return out
+    if isinstance(record, AllocatorRecord):
+        out = [Scalar(f"allocator/{segment.name}_mib", segment.device / MIB)
+               for segment in record.stats]
+        out += [Scalar(f"allocator/{f}_mib", v / MIB) for f in _TORCH_MEMORY_FIELDS
+                if (v := getattr(record, f)) is not None]
+        if record.alloc_retries is not None:
+            out.append(Scalar("allocator/alloc_retries", float(record.alloc_retries)))
+        return out
+    return []
+
+
+def allocator_breakdown(record: AllocatorRecord) -> list[tuple[str, float]]:
+    """(segment, device MiB) pairs for the pie chart, largest first."""
+    pairs = [(s.name, s.device / MIB) for s in record.stats]
+    return sorted(pairs, key=lambda p: -p[1])
+
+
+def stream_key(record: Record) -> str:
+    """The ordered stream a record belongs to within its run: records of one
+    (rank, kind[, GPU id]) share a Kafka partition and arrive in the order sent."""
+    key = f"{record.rank}/{record.kind}"
+    if isinstance(record, GpuRecord):
+        key += f"/{record.id}"
+    return key
+
+
+def _fields(record: Record, names: tuple[str, ...], prefix: str, subset: str = "train") -> list[Scalar]:
+    return [Scalar(prefix + name, float(value), subset) for name in names
+            if (value := getattr(record, name)) is not None]
+
+
+def is_finite(value: float) -> bool:
+    return math.isfinite(value)
