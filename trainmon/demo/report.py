@@ -1,0 +1,170 @@
+"""What the demo prints at the end, and its HTML report (matplotlib plots, inline PNGs).
+
+Everything comes from ClickHouse with SQL, as a user would get it.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from ..consumers.clickhouse.cli import query
+from ..consumers.clickhouse.client import Target
+
+
+def rows(target: Target, sql: str) -> list[dict]:
+    out = query(target, sql, "JSONEachRow").decode()
+    return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def _alerts(target: Target, run_id: str) -> list[dict]:
+    return rows(target, f"""
+        SELECT rule, severity, state, ranks, step, value, threshold, message, incident_id
+        FROM trainmon.alert FINAL WHERE run_id = '{run_id}' ORDER BY time, incident_id, state""")
+
+
+def print_summary(target: Target, run_id: str, tables: list[str], examples, params: dict) -> None:
+    print("   rows per table:")
+    for table in tables:
+        [count] = rows(target, f"SELECT count() AS n FROM trainmon.{table} FINAL")
+        print(f"     trainmon.{table:<10} {count['n']:>6}")
+    alerts = _alerts(target, run_id)
+    print(f"   alerts ({sum(a['state'] == 'firing' for a in alerts)} fired, "
+          f"{sum(a['state'] == 'resolved' for a in alerts)} resolved):")
+    for a in alerts:
+        print(f"     {a['state']:<8} {a['severity']:<8} {a['rule']:<24} step {str(a['step']):>4}  "
+              f"{a['message']}")
+    for title, sql in examples:
+        sql = sql.format(**params)
+        print(f"\n   -- {title}\n   {sql}")
+        text = query(target, sql if "FORMAT" in sql else sql + " FORMAT PrettyCompactMonoBlock",
+                     "PrettyCompactMonoBlock").decode()
+        print("\n".join("   " + line for line in text.rstrip().splitlines()))
+    print()
+
+
+def _png(fig) -> str:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=90, bbox_inches="tight")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _by_rank(data: list[dict], value: str) -> dict[int, tuple[list, list]]:
+    series: dict[int, tuple[list, list]] = defaultdict(lambda: ([], []))
+    for row in data:
+        xs, ys = series[row["rank"]]
+        xs.append(row["step"])
+        ys.append(float(row[value]) if row[value] is not None else float("nan"))
+    return series
+
+
+def write_report(target: Target, run_id: str, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = f"run_id = '{run_id}'"
+    steps = rows(target, f"SELECT rank, step, loss, norm, lr, tokens_per_second, duration_ms "
+                         f"FROM trainmon.step FINAL WHERE {run} ORDER BY rank, step")
+    evals = rows(target, f"SELECT step, avg(loss) AS loss FROM trainmon.eval FINAL WHERE {run} "
+                         f"GROUP BY step ORDER BY step")
+    moe = rows(target, f"SELECT step, avg(aux_loss) AS aux_loss, avg(z_loss) AS z_loss, "
+                       f"avg(expert_utilization) AS utilization, max(load_imbalance) AS imbalance "
+                       f"FROM trainmon.moe FINAL WHERE {run} GROUP BY step ORDER BY step")
+    memory = rows(target, f"SELECT step, name, sum(device) AS bytes FROM trainmon.allocator FINAL "
+                          f"ARRAY JOIN stats.name AS name, stats.device AS device WHERE {run} "
+                          f"GROUP BY step, name ORDER BY step, name")
+    gpu = rows(target, f"SELECT rank, step, power, temperature, gpu_util, dram_free "
+                       f"FROM trainmon.gpu FINAL WHERE {run} ORDER BY rank, step")
+    alerts = [a for a in _alerts(target, run_id) if a["state"] == "firing"]
+    figures: list[tuple[str, str]] = []
+
+    def mark_alerts(ax) -> None:
+        for a in alerts:
+            if a["step"] is not None:
+                ax.axvline(a["step"], color="red", alpha=0.35, linestyle="--")
+                ax.text(a["step"], ax.get_ylim()[1], a["rule"], rotation=90, fontsize=7,
+                        color="red", va="top", ha="right")
+
+    fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
+    for name, ax in zip(("loss", "norm", "lr"), axes):
+        for rank, (xs, ys) in sorted(_by_rank(steps, name).items()):
+            ax.plot(xs, ys, label=f"rank {rank}", linewidth=1)
+        if name == "loss" and evals:
+            ax.plot([e["step"] for e in evals], [e["loss"] for e in evals], "k^", label="eval loss")
+        if name == "norm":
+            ax.set_yscale("log")
+        ax.set_ylabel({"loss": "loss", "norm": "grad norm", "lr": "learning rate"}[name])
+        mark_alerts(ax)
+    axes[0].legend(fontsize=8, ncol=5)
+    axes[-1].set_xlabel("step")
+    figures.append(("Loss, grad norm and learning rate, with alerts", _png(fig)))
+    plt.close(fig)
+
+    fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    for name, ax, label in ((("tokens_per_second"), axes[0], "tokens/s"),
+                            ("duration_ms", axes[1], "step time (ms)")):
+        for rank, (xs, ys) in sorted(_by_rank(steps, name).items()):
+            ax.plot(xs, ys, label=f"rank {rank}", linewidth=1)
+        ax.set_ylabel(label)
+        mark_alerts(ax)
+    axes[1].set_yscale("log")
+    axes[0].legend(fontsize=8, ncol=5)
+    axes[-1].set_xlabel("step")
+    figures.append(("Throughput and step time per rank", _png(fig)))
+    plt.close(fig)
+
+    if moe:
+        fig, axes = plt.subplots(2, 2, figsize=(10, 6), sharex=True)
+        for ax, key, label in zip(axes.flat, ("aux_loss", "z_loss", "utilization", "imbalance"),
+                                  ("aux loss (x coeff)", "z-loss", "expert utilization",
+                                   "load imbalance (max / mean)")):
+            ax.plot([m["step"] for m in moe], [m[key] for m in moe])
+            ax.set_title(label, fontsize=9)
+        figures.append(("Mixture of experts (mean over ranks; imbalance: worst rank)", _png(fig)))
+        plt.close(fig)
+
+    if memory:
+        fig, ax = plt.subplots(figsize=(10, 3.5))
+        for name in sorted({m["name"] for m in memory}):
+            points = [m for m in memory if m["name"] == name]
+            ax.plot([m["step"] for m in points], [int(m["bytes"]) / 2**20 for m in points], label=name)
+        ax.set_ylabel("MiB (all ranks)")
+        ax.set_xlabel("step")
+        ax.legend(fontsize=8)
+        figures.append(("Memory by segment (allocator records)", _png(fig)))
+        plt.close(fig)
+
+    if gpu:
+        fig, axes = plt.subplots(2, 2, figsize=(10, 6), sharex=True)
+        for ax, key, label, scale in zip(axes.flat, ("power", "temperature", "gpu_util", "dram_free"),
+                                         ("power (W)", "temperature (C)", "utilization (%)",
+                                          "free memory (GiB)"), (1e-3, 1, 1, 2**-30)):
+            for rank, (xs, ys) in sorted(_by_rank(gpu, key).items()):
+                ax.plot(xs, [y * scale for y in ys], label=f"rank {rank}")
+            ax.set_title(label, fontsize=9)
+        figures.append(("GPUs (NVML)", _png(fig)))
+        plt.close(fig)
+
+    alert_rows = "".join(
+        f"<tr><td>{html.escape(a['rule'])}</td><td>{a['severity']}</td><td>{a['step']}</td>"
+        f"<td>{html.escape(str(a['ranks']))}</td><td>{html.escape(a['message'])}</td></tr>"
+        for a in alerts)
+    body = "".join(f"<h2>{html.escape(title)}</h2><img src='data:image/png;base64,{png}'>"
+                   for title, png in figures)
+    if not gpu:
+        body += "<p>No GPU records: this run had no GPU (NVML sampler off).</p>"
+    path.write_text(f"""<!doctype html><html><head><meta charset="utf-8">
+<title>trainmon demo {html.escape(run_id)}</title>
+<style>body{{font-family:sans-serif;max-width:1000px;margin:auto}} td,th{{padding:2px 8px;
+border-bottom:1px solid #ddd;font-size:13px;text-align:left}} img{{max-width:100%}}</style></head>
+<body><h1>trainmon demo: {html.escape(run_id)}</h1>
+<h2>Alerts that fired</h2><table><tr><th>rule</th><th>severity</th><th>step</th><th>ranks</th>
+<th>message</th></tr>{alert_rows}</table>{body}</body></html>
+""")
+    return path
