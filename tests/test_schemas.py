@@ -71,3 +71,29 @@ def test_schema_command_prints_every_record_type():
     schemas = json.loads(out)
     assert set(schemas) == set(RECORD_TYPES)
     assert "loss_scale" in schemas["step"]["properties"]
+
+
+def test_run_id_is_shared_by_the_ranks_of_one_job():
+    from trainmon.producer.config import ProducerConfig
+
+    assert ProducerConfig.from_env({"TRAINMON_RUN_ID": "mine", "TORCHELASTIC_RUN_ID": "x"}).run_id == "mine"
+    assert ProducerConfig.from_env({"TORCHELASTIC_RUN_ID": "abc"}).run_id == "abc"
+    ranks = [ProducerConfig.from_env({"TORCHELASTIC_RUN_ID": "none", "MASTER_ADDR": "node0",
+                                      "MASTER_PORT": "29500", "RANK": str(r), "WORLD_SIZE": "4"})
+             for r in range(4)]
+    assert len({c.run_id for c in ranks}) == 1 and [c.rank for c in ranks] == [0, 1, 2, 3]
+    assert ranks[0].world_size == 4
+    assert ProducerConfig.from_env({}).run_id != ProducerConfig.from_env({}).run_id
+
+
+def test_kafka_security_settings_pass_through():
+    from trainmon.producer.config import ProducerConfig
+
+    cfg = ProducerConfig.from_env({"TRAINMON_KAFKA_BOOTSTRAP": "a:1,b:2",
+                                   "TRAINMON_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+                                   "TRAINMON_KAFKA_SASL_MECHANISM": "PLAIN",
+                                   "TRAINMON_KAFKA_SASL_USERNAME": "u",
+                                   "TRAINMON_KAFKA_SASL_PASSWORD": "p"})
+    assert cfg.bootstrap == "a:1,b:2"
+    assert cfg.kafka == {"security_protocol": "SASL_SSL", "sasl_mechanism": "PLAIN",
+                         "sasl_plain_username": "u", "sasl_plain_password": "p"}

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +22,11 @@ def default_run_id(env) -> str:
     for var in ("TRAINMON_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
         if env.get(var) and env.get(var) != "none":
             return env[var]
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        # torchrun without --rdzv-id says "none"; the rendezvous endpoint and the day are
+        # what all ranks of the job share. Set TRAINMON_RUN_ID to choose the name.
+        seed = f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}:{time.strftime('%Y%m%d', time.gmtime())}"
+        return f"torchrun-{hashlib.sha1(seed.encode()).hexdigest()[:12]}"
     return f"run-{uuid.uuid4().hex[:12]}"
 
 
