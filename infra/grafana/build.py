@@ -1,0 +1,403 @@
+"""Writes the Grafana dashboards (infra/grafana/dashboards/*.json) from the compact
+definitions below: `python infra/grafana/build.py`. tests/test_dashboards.py checks the
+JSON files are what this script writes, and runs every query against chDB.
+
+Queries use the ClickHouse plugin's macros ($__timeFilter, $__timeInterval,
+$__conditionalAll, ...) and the template variables run_id and rank. Tables and views are
+those of trainmon.consumers.clickhouse (docs/clickhouse.md); names are unqualified so
+the data source's default database applies.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "dashboards"
+PLUGIN = "grafana-clickhouse-datasource"
+DATASOURCE = {"type": PLUGIN, "uid": "trainmon-clickhouse"}
+RUN = "run_id = '${run_id}'"
+RANKS = "$__conditionalAll(rank IN (${rank:csv}), $rank)"
+# Series name of one GPU of one rank.
+GPU_SERIES = "concat('rank ', toString(rank), ' gpu ', toString(id))"
+
+RUN_VARIABLE = {
+    "name": "run_id", "label": "Run", "type": "query", "datasource": DATASOURCE,
+    "query": "SELECT run_id FROM run_summary ORDER BY last_seen_at DESC",
+    "refresh": 2, "multi": False, "includeAll": False, "sort": 0, "current": {}, "options": [],
+}
+RANK_VARIABLE = {
+    "name": "rank", "label": "Rank", "type": "query", "datasource": DATASOURCE,
+    "query": f"SELECT DISTINCT rank FROM step WHERE {RUN} ORDER BY rank",
+    "refresh": 2, "multi": True, "includeAll": True, "sort": 3,
+    "current": {"selected": True, "text": ["All"], "value": ["$__all"]}, "options": [],
+}
+ALERT_ANNOTATION = {
+    "name": "trainmon alerts", "enable": True, "iconColor": "red", "datasource": DATASOURCE,
+    "target": {
+        "refId": "Anno", "editorType": "sql", "format": 1, "queryType": "table",
+        # One marker per incident: from firing to resolved (open incidents have no end).
+        "rawSql": (
+            "SELECT fired_at AS time, resolved_at AS timeEnd, text, tags\n"
+            "FROM (\n"
+            "    SELECT minIf(time, state = 'firing') AS fired_at,\n"
+            "           if(countIf(state = 'resolved') > 0, maxIf(time, state = 'resolved'), NULL) AS resolved_at,\n"
+            "           concat(upper(any(severity)), ' ', any(rule), ': ', argMinIf(message, time, state = 'firing')) AS text,\n"
+            "           [any(rule), any(severity)] AS tags\n"
+            "    FROM alert FINAL\n"
+            f"    WHERE {RUN} AND $__timeFilter(time)\n"
+            "    GROUP BY incident_id\n"
+            "    HAVING countIf(state = 'firing') > 0\n"
+            ")\n"
+            "ORDER BY time"),
+    },
+}
+BUILTIN_ANNOTATION = {
+    "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True,
+    "hide": True, "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts",
+    "type": "dashboard",
+}
+
+
+def timeseries(title: str, *queries: str, unit: str = "short", width: int = 12,
+               height: int = 8, description: str = "", stack: bool = False, log: bool = False) -> dict:
+    custom = {"lineWidth": 1, "fillOpacity": 10, "showPoints": "never", "spanNulls": True}
+    if stack:
+        custom["stacking"] = {"mode": "normal", "group": "A"}
+    if log:
+        custom["scaleDistribution"] = {"type": "log", "log": 10}
+    return {"type": "timeseries", "title": title, "description": description,
+            "w": width, "h": height, "format": 0, "queryType": "timeSeries", "queries": queries,
+            "fieldConfig": {"defaults": {"unit": unit, "custom": custom}, "overrides": []},
+            "options": {"legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+                        "tooltip": {"mode": "multi", "sort": "desc"}}}
+
+
+def table(title: str, query: str, width: int = 12, height: int = 8, description: str = "",
+          units: dict[str, str] | None = None) -> dict:
+    overrides = [{"matcher": {"id": "byName", "options": column},
+                  "properties": [{"id": "unit", "value": unit}]}
+                 for column, unit in (units or {}).items()]
+    return {"type": "table", "title": title, "description": description, "w": width, "h": height,
+            "format": 1, "queryType": "table", "queries": (query,),
+            "fieldConfig": {"defaults": {}, "overrides": overrides},
+            "options": {"showHeader": True, "cellHeight": "sm"}}
+
+
+def stat(title: str, query: str, unit: str = "short", width: int = 4, height: int = 4,
+         description: str = "") -> dict:
+    return {"type": "stat", "title": title, "description": description, "w": width, "h": height,
+            "format": 1, "queryType": "table", "queries": (query,),
+            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+            "options": {"reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+                        "colorMode": "value", "graphMode": "none", "textMode": "auto"}}
+
+
+def heatmap(title: str, query: str, unit: str, width: int = 24, height: int = 9,
+            description: str = "") -> dict:
+    return {"type": "heatmap", "title": title, "description": description, "w": width, "h": height,
+            "format": 0, "queryType": "timeSeries", "queries": (query,),
+            "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
+            "options": {"calculate": False, "cellGap": 1, "yAxis": {"axisPlacement": "left"},
+                        "color": {"mode": "scheme", "scheme": "Oranges", "steps": 64},
+                        "rowsFrame": {"layout": "auto"},
+                        "tooltip": {"mode": "single", "yHistogram": False}}}
+
+
+def bar_chart(title: str, query: str, width: int = 12, height: int = 8, description: str = "") -> dict:
+    return {"type": "barchart", "title": title, "description": description, "w": width, "h": height,
+            "format": 1, "queryType": "table", "queries": (query,),
+            "fieldConfig": {"defaults": {}, "overrides": []},
+            "options": {"orientation": "auto", "showValue": "auto", "legend": {"showLegend": False}}}
+
+
+def series(value: str, table_: str, *, label: str | None = None, time: str = "time",
+           where: str = "", alias: str = "value") -> str:
+    """A time series query: one value per interval, one series per ``label`` value."""
+    label_sql = f", {label} AS series" if label else ""
+    group = "time, series" if label else "time"
+    extra = f" AND {where}" if where else ""
+    return (f"SELECT $__timeInterval({time}) AS time{label_sql}, {value} AS \"{alias}\"\n"
+            f"FROM {table_}\n"
+            f"WHERE {RUN} AND $__timeFilter({time}){extra}\n"
+            f"GROUP BY {group}\n"
+            f"ORDER BY time")
+
+
+def per_rank(value: str, table_: str, alias: str) -> str:
+    return series(value, table_, label="concat('rank ', toString(rank))", where=RANKS, alias=alias)
+
+
+def per_gpu(value: str, alias: str, where: str = "") -> str:
+    condition = RANKS + (f" AND {where}" if where else "")
+    return series(value, "gpu", label=GPU_SERIES, where=condition, alias=alias)
+
+
+# -- dashboards ------------------------------------------------------------------------
+
+ETA_SQL = f"""SELECT
+    last_step,
+    total_steps,
+    seconds_per_step,
+    if(total_steps IS NULL, NULL, greatest(total_steps - last_step, 0) * seconds_per_step) AS eta
+FROM (
+    SELECT max(step) AS last_step,
+           (SELECT max(total_steps) FROM step WHERE {RUN}) AS total_steps,
+           (max(toUnixTimestamp64Milli(last_time)) - min(toUnixTimestamp64Milli(last_time)))
+               / 1000 / greatest(max(step) - min(step), 1) AS seconds_per_step
+    FROM (SELECT step, last_time FROM step_across_ranks WHERE {RUN} ORDER BY step DESC LIMIT 50)
+)"""
+
+RUN_OVERVIEW = {
+    "uid": "trainmon-run-overview", "title": "trainmon / Run overview", "ranks": False,
+    "description": "Loss, eval loss, learning rate, grad norm, throughput and ETA of one run.",
+    "panels": [
+        stat("Status", f"SELECT status FROM run_summary WHERE {RUN}", width=4),
+        stat("Last step", f"SELECT last_step FROM run_summary WHERE {RUN}", width=4),
+        stat("Tokens", f"SELECT tokens FROM run_summary WHERE {RUN}", width=4),
+        stat("Best eval loss", f"SELECT best_eval_loss FROM run_summary WHERE {RUN}", width=4),
+        stat("Open alerts", f"SELECT alerts_open FROM run_summary WHERE {RUN}", width=4),
+        stat("ETA", f"SELECT eta FROM ({ETA_SQL})", unit="s", width=4,
+             description="Steps left (total_steps - last step) times the mean wall time "
+                         "per step over the last 50 steps."),
+        timeseries("Loss",
+                   series("avg(loss)", "step", alias="train loss"),
+                   series("avg(loss)", "eval", alias="eval loss")),
+        timeseries("Learning rate", series("avg(lr)", "step", alias="lr")),
+        timeseries("Grad norm", series("max(norm)", "step", alias="grad norm"),
+                   series("max(params_norm)", "step", alias="params norm"),
+                   description="Global grad L2 norm (after clipping); the max over ranks."),
+        timeseries("Tokens / s",
+                   series("avg(step_tokens * 1000 / nullIf(max_duration_ms, 0))",
+                          "step_across_ranks", time="last_time", alias="tokens/s"),
+                   description="Tokens of all ranks per step over the slowest rank's step time."),
+        timeseries("TFLOPS per GPU and SOL %",
+                   series("avg(tflops_per_gpu)", "step", alias="TFLOPS per GPU"),
+                   series("avg(sol_percent)", "step", alias="SOL %")),
+        table("Run", f"SELECT * FROM run_summary WHERE {RUN}",
+              units={"wall_seconds": "s", "tokens": "short"}),
+    ],
+}
+
+RANKS_DASHBOARD = {
+    "uid": "trainmon-ranks", "title": "trainmon / Ranks", "ranks": True,
+    "description": "Step time per rank, stragglers and the latest step of every rank.",
+    "panels": [
+        heatmap("Step time heatmap",
+                per_rank("avg(duration_ms)", "step", "step ms"), unit="ms",
+                description="Rows are ranks, color is step time: a straggler is a hot row."),
+        timeseries("Step time per rank", per_rank("avg(duration_ms)", "step", "step ms"), unit="ms"),
+        timeseries("Tokens / s per rank", per_rank("avg(tokens_per_second)", "step", "tokens/s")),
+        table("Stragglers (slowest steps)",
+              "SELECT step, slowest_rank, max_duration_ms, mean_duration_ms, straggler_ratio, "
+              "ranks_reporting\n"
+              "FROM step_across_ranks\n"
+              f"WHERE {RUN} AND $__timeFilter(last_time)\n"
+              "ORDER BY straggler_ratio DESC, step DESC\nLIMIT 20",
+              units={"max_duration_ms": "ms", "mean_duration_ms": "ms"},
+              description="straggler_ratio = slowest rank's step time / mean over ranks."),
+        bar_chart("Times each rank was the slowest",
+                  "SELECT toString(slowest_rank) AS rank, count() AS steps_slowest\n"
+                  "FROM step_across_ranks\n"
+                  f"WHERE {RUN} AND $__timeFilter(last_time)\n"
+                  "GROUP BY rank\nORDER BY steps_slowest DESC"),
+        table("Latest step per rank",
+              "SELECT rank, host, step, max(step) OVER () - step AS steps_behind, loss, "
+              "duration_ms, tokens_per_second, seconds_since\n"
+              "FROM latest_step\n"
+              f"WHERE {RUN} AND {RANKS}\n"
+              "ORDER BY rank",
+              units={"duration_ms": "ms", "seconds_since": "s"},
+              description="A rank that stopped reporting falls behind and its seconds_since grows."),
+    ],
+}
+
+GPU_DASHBOARD = {
+    "uid": "trainmon-gpu", "title": "trainmon / GPU", "ranks": True,
+    "description": "NVML telemetry of every GPU: power, temperature, utilization, memory, "
+                   "clocks and throttling.",
+    "panels": [
+        timeseries("Power", per_gpu("avg(power) / 1000", "W"), unit="watt"),
+        timeseries("Power / limit", per_gpu("avg(power / nullIf(power_limit, 0)) * 100", "% of limit"),
+                   unit="percent"),
+        timeseries("Temperature", per_gpu("max(temperature)", "°C"), unit="celsius"),
+        timeseries("Degrees below slowdown", per_gpu("min(temp_slowdown - temperature)", "°C"),
+                   unit="celsius", description="Headroom to the slowdown threshold."),
+        timeseries("GPU utilization", per_gpu("avg(gpu_util)", "%"), unit="percent"),
+        timeseries("Memory-bus utilization", per_gpu("avg(mem_util)", "%"), unit="percent"),
+        timeseries("Free GPU memory", per_gpu("min(dram_free)", "bytes"), unit="bytes"),
+        timeseries("SM clock", per_gpu("avg(clock)", "MHz"), unit="rotmhz"),
+        timeseries("PCIe", per_gpu("avg(pcie_rx)", "rx"), per_gpu("avg(pcie_tx)", "tx"),
+                   unit="Bps"),
+        timeseries("Throttled samples", per_gpu("countIf(throttle != '') / count() * 100", "%"),
+                   unit="percent", description="Share of samples with an active throttle reason."),
+        table("Throttle events",
+              "SELECT time, rank, id AS gpu, throttle, clock, max_clock, temperature, power\n"
+              "FROM gpu\n"
+              f"WHERE {RUN} AND $__timeFilter(time) AND {RANKS} AND throttle != ''\n"
+              "ORDER BY time DESC\nLIMIT 200",
+              units={"power": "mwatt"}),
+        table("GPU models",
+              "SELECT rank, host, id AS gpu, name, sm_count, memory, l2_size, uuid, ecc, "
+              "cuda_driver, cuda_runtime\n"
+              "FROM gpu_model FINAL\n"
+              f"WHERE {RUN} AND {RANKS}\n"
+              "ORDER BY rank, gpu",
+              units={"memory": "bytes", "l2_size": "bytes"}),
+    ],
+}
+
+MOE_DASHBOARD = {
+    "uid": "trainmon-moe", "title": "trainmon / MoE", "ranks": True,
+    "description": "Router health of mixture-of-experts layers.",
+    "panels": [
+        timeseries("Load-balancing aux loss", per_rank("avg(aux_loss)", "moe", "aux loss"),
+                   description="Switch / Megatron E·Σ f·P; 1.0 is perfectly balanced."),
+        timeseries("Router z-loss", per_rank("avg(z_loss)", "moe", "z-loss")),
+        timeseries("Expert utilization", per_rank("avg(expert_utilization) * 100", "moe", "%"),
+                   unit="percent", description="Share of experts that received tokens."),
+        timeseries("Load imbalance", per_rank("max(load_imbalance)", "moe", "max / mean"),
+                   description="Most loaded expert over the mean load; 1.0 is balanced."),
+        heatmap("Load imbalance per layer",
+                "SELECT $__timeInterval(time) AS time, "
+                "concat('layer ', leftPad(toString(layer), 3, '0')) AS series, "
+                "max(imbalance) AS \"max / mean\"\n"
+                "FROM moe\n"
+                "ARRAY JOIN layer_imbalance AS imbalance, arrayEnumerate(layer_imbalance) AS layer\n"
+                f"WHERE {RUN} AND $__timeFilter(time) AND {RANKS}\n"
+                "GROUP BY time, series\nORDER BY time",
+                unit="short"),
+        table("Worst layers (latest step)",
+              "SELECT layer, max(imbalance) AS load_imbalance, min(utilization) AS expert_utilization\n"
+              "FROM moe\n"
+              "ARRAY JOIN layer_imbalance AS imbalance, layer_utilization AS utilization, "
+              "arrayEnumerate(layer_imbalance) AS layer\n"
+              f"WHERE {RUN} AND {RANKS} AND step = (SELECT max(step) FROM moe WHERE {RUN})\n"
+              "GROUP BY layer\nORDER BY load_imbalance DESC\nLIMIT 20"),
+    ],
+}
+
+MEMORY_DASHBOARD = {
+    "uid": "trainmon-memory", "title": "trainmon / Memory", "ranks": True,
+    "description": "torch.cuda caching allocator counters and memory by segment.",
+    "panels": [
+        timeseries("Allocated", per_rank("max(allocated)", "allocator", "allocated"), unit="bytes"),
+        timeseries("Peak allocated", per_rank("max(peak_allocated)", "allocator", "peak"),
+                   unit="bytes"),
+        timeseries("Reserved", per_rank("max(reserved)", "allocator", "reserved"), unit="bytes",
+                   description="Held by the caching allocator; reserved - allocated is cache."),
+        timeseries("Inactive (fragmentation)", per_rank("max(inactive)", "allocator", "inactive"),
+                   unit="bytes"),
+        timeseries("Memory by segment (device)",
+                   series("max(segment_device)", "allocator ARRAY JOIN stats.name AS segment, "
+                          "stats.device AS segment_device",
+                          label="segment", where=RANKS, alias="bytes"),
+                   unit="bytes", stack=True,
+                   description="weights / gradients / optimizer / activations, max over ranks."),
+        timeseries("Memory by segment (host)",
+                   series("max(segment_host)", "allocator ARRAY JOIN stats.name AS segment, "
+                          "arrayMap((p, q) -> p + q, stats.pinned, stats.pageable) AS segment_host",
+                          label="segment", where=RANKS, alias="bytes"),
+                   unit="bytes", stack=True, description="Pinned plus pageable host memory."),
+        stat("Allocation retries", f"SELECT max(alloc_retries) FROM allocator WHERE {RUN}",
+             description="cudaMalloc retries after freeing cache: a sign of memory pressure."),
+        table("Latest segments per rank",
+              "SELECT rank, segment, device, pinned, pageable\n"
+              "FROM (SELECT rank, argMax(stats.name, step) AS names, argMax(stats.device, step) AS devices,\n"
+              "             argMax(stats.pinned, step) AS pinneds, argMax(stats.pageable, step) AS pageables\n"
+              f"      FROM allocator WHERE {RUN} AND {RANKS} GROUP BY rank)\n"
+              "ARRAY JOIN names AS segment, devices AS device, pinneds AS pinned, pageables AS pageable\n"
+              "ORDER BY rank, segment",
+              width=20, units={"device": "bytes", "pinned": "bytes", "pageable": "bytes"}),
+    ],
+}
+
+OPEN_INCIDENTS = (
+    "SELECT run_id, rule, severity, incident_id, first_fired, last_value, message\n"
+    "FROM (\n"
+    "    SELECT run_id, rule, incident_id, any(severity) AS severity,\n"
+    "           minIf(time, state = 'firing') AS first_fired, argMax(state, time) AS last_state,\n"
+    "           argMax(value, time) AS last_value, argMax(message, time) AS message\n"
+    "    FROM alert FINAL\n"
+    "    WHERE {where}\n"
+    "    GROUP BY run_id, rule, incident_id\n"
+    ")\n"
+    "WHERE last_state = 'firing'\n"
+    "ORDER BY first_fired DESC")
+
+ALERTS_DASHBOARD = {
+    "uid": "trainmon-alerts", "title": "trainmon / Alerts", "ranks": False,
+    "description": "Alerts raised by `trainmon consume alerts`, also shown as markers on "
+                   "every dashboard.",
+    "panels": [
+        stat("Incidents open now", f"SELECT alerts_open FROM run_summary WHERE {RUN}", width=6),
+        stat("Critical alerts fired", f"SELECT alerts_critical FROM run_summary WHERE {RUN}",
+             width=6),
+        bar_chart("Alerts by rule",
+                  "SELECT rule, countIf(state = 'firing') AS fired\n"
+                  f"FROM alert FINAL\nWHERE {RUN} AND $__timeFilter(time)\n"
+                  "GROUP BY rule\nORDER BY fired DESC"),
+        table("Open incidents", OPEN_INCIDENTS.format(where=RUN), width=24),
+        table("Alert events",
+              "SELECT time, state, severity, rule, ranks, step, value, threshold, message, incident_id\n"
+              f"FROM alert FINAL\nWHERE {RUN} AND $__timeFilter(time)\n"
+              "ORDER BY time DESC\nLIMIT 500",
+              width=24, height=10),
+    ],
+}
+
+DASHBOARDS = {"run-overview": RUN_OVERVIEW, "ranks": RANKS_DASHBOARD, "gpu": GPU_DASHBOARD,
+              "moe": MOE_DASHBOARD, "memory": MEMORY_DASHBOARD, "alerts": ALERTS_DASHBOARD}
+
+
+def _layout(panels: list[dict]) -> list[dict]:
+    """Grafana JSON panels, placed left to right in rows of 24 columns."""
+    out, x, y, row_height = [], 0, 0, 0
+    for number, spec in enumerate(panels, start=1):
+        if x + spec["w"] > 24:
+            x, y, row_height = 0, y + row_height, 0
+        targets = [{"refId": chr(ord("A") + i), "datasource": DATASOURCE, "editorType": "sql",
+                    "format": spec["format"], "queryType": spec["queryType"], "rawSql": sql}
+                   for i, sql in enumerate(spec["queries"])]
+        panel = {"id": number, "type": spec["type"], "title": spec["title"],
+                 "gridPos": {"x": x, "y": y, "w": spec["w"], "h": spec["h"]},
+                 "datasource": DATASOURCE, "targets": targets,
+                 "fieldConfig": spec["fieldConfig"], "options": spec["options"]}
+        if spec["description"]:
+            panel["description"] = spec["description"]
+        out.append(panel)
+        x += spec["w"]
+        row_height = max(row_height, spec["h"])
+    return out
+
+
+def dashboard(spec: dict) -> dict:
+    links = [{"title": "trainmon", "type": "dashboards", "tags": ["trainmon"], "asDropdown": True,
+              "includeVars": True, "keepTime": True}]
+    variables = [RUN_VARIABLE] + ([RANK_VARIABLE] if spec["ranks"] else [])
+    return {
+        "uid": spec["uid"], "title": spec["title"], "description": spec["description"],
+        "tags": ["trainmon"], "editable": False, "graphTooltip": 1, "schemaVersion": 39,
+        "version": 1, "refresh": "30s", "time": {"from": "now-6h", "to": "now"},
+        "timepicker": {}, "timezone": "browser", "links": links,
+        "annotations": {"list": [BUILTIN_ANNOTATION, ALERT_ANNOTATION]},
+        "templating": {"list": variables},
+        "panels": _layout(spec["panels"]),
+    }
+
+
+def render() -> dict[str, str]:
+    """File name -> JSON text of every dashboard."""
+    return {f"{name}.json": json.dumps(dashboard(spec), indent=2, ensure_ascii=False) + "\n"
+            for name, spec in DASHBOARDS.items()}
+
+
+def main() -> None:
+    OUT.mkdir(exist_ok=True)
+    for name, text in render().items():
+        (OUT / name).write_text(text)
+        print(OUT / name)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""A small, representative run for the dashboard tests: two ranks, 30 steps, evals, MoE,
+GPU, allocator and GPU-model records, and alerts (one resolved, two still open)."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timedelta, timezone
+
+from trainmon.schemas import (AlertRecord, AllocatorRecord, DatasetRecord, EvalRecord,
+                              GpuModelRecord, GpuRecord, MoeRecord, Record, RunRecord, StepRecord)
+
+RUN_ID = "dash-run"
+T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=timezone.utc)
+STEPS = 30
+RANKS = (0, 1)
+
+
+def records() -> list[Record]:
+    out: list[Record] = []
+    ids = iter(range(10**9))
+
+    def env(rank: int, seconds: float) -> dict:
+        return dict(run_id=RUN_ID, rank=rank, world_size=len(RANKS), host=f"node-{rank}",
+                    time=T0 + timedelta(seconds=seconds), event_id=f"ev-{next(ids)}")
+
+    out.append(RunRecord(**env(0, 0), event="start", name="dash", project="tests",
+                         config={"lr": 3e-4}, hostnames=["node-0", "node-1"]))
+    out.append(DatasetRecord(**env(0, 0), split="train", files=4, tokens=10**6))
+    for rank in RANKS:
+        out.append(GpuModelRecord(**env(rank, 0), id=rank, name="NVIDIA H100 80GB HBM3",
+                                  sm_count=132, major=9, minor=0, memory=80 * 2**30,
+                                  free=79 * 2**30, l2_size=50 * 2**20, uuid=f"GPU-{rank}",
+                                  ecc=True, cuda_driver="12.4", cuda_runtime="12.4"))
+    for step in range(STEPS):
+        t = step + 1.0
+        for rank in RANKS:
+            stalled = rank == 1 and 20 <= step <= 22
+            loss = math.nan if step == 25 else 4.0 - step * 0.05 + rank * 0.01
+            out.append(StepRecord(
+                **env(rank, t), step=step, epoch=step / STEPS, step_tokens=4096,
+                duration_ms=900.0 if stalled else 100.0 + rank, loss=loss,
+                norm=25.0 if step == 15 else 1.0, lr=3e-4 * min(1.0, (step + 1) / 10),
+                total_steps=100, params_norm=50.0, num_zeros=0, tflops_per_gpu=300.0,
+                sol_percent=30.3, timers={"forward": 40.0, "backward": 55.0}))
+            out.append(MoeRecord(**env(rank, t), step=step, aux_loss=1.02, z_loss=0.3,
+                                 expert_utilization=0.875, load_imbalance=1.6,
+                                 layer_aux_loss=[1.01, 1.03], layer_z_loss=[0.2, 0.4],
+                                 layer_utilization=[1.0, 0.75], layer_imbalance=[1.2, 1.6]))
+            if step % 5 == 0:
+                out.append(GpuRecord(
+                    **env(rank, t), step=step, id=rank, clock=1755, max_clock=1980,
+                    power=650_000, power_limit=700_000, temperature=70 + step // 5, temp_slowdown=87,
+                    gpu_util=97, mem_util=40, dram_free=10 * 2**30, pcie_rx=10**6, pcie_tx=2 * 10**6,
+                    fan=0, throttle="sw_power_cap" if step == 10 else "", energy=10**9 + step))
+                out.append(AllocatorRecord(
+                    **env(rank, t), step=step,
+                    stats=[dict(name=name, device=size, managed=0, pinned=0, pageable=4096)
+                           for name, size in (("weights", 2**30), ("gradients", 2**30),
+                                              ("optimizer", 2**31), ("activations", 3 * 2**30))],
+                    allocated=7 * 2**30, peak_allocated=9 * 2**30, active=7 * 2**30,
+                    inactive=2**20, reserved=10 * 2**30, alloc_retries=0))
+        if step % 10 == 9:
+            out.append(EvalRecord(**env(0, t + 0.5), step=step, epoch=step / STEPS,
+                                  eval_tokens=1024, duration_ms=50.0, loss=3.9 - step * 0.04))
+    out += [
+        AlertRecord(**env(0, 16), ranks=[0, 1], rule="grad_norm_spike",
+                    severity="warning", state="firing", incident_id="inc-spike", step=15,
+                    value=25.0, threshold=5.0, message="grad norm 25 is 25x the median"),
+        AlertRecord(**env(0, 18), ranks=[0, 1], rule="grad_norm_spike",
+                    severity="warning", state="resolved", incident_id="inc-spike", step=17,
+                    value=1.0, threshold=5.0, message="grad norm back to normal"),
+        AlertRecord(**env(0, 22), ranks=[1], rule="straggler",
+                    severity="warning", state="firing", incident_id="inc-straggler", step=21,
+                    value=9.0, threshold=2.0, message="rank 1 is 9x slower than the mean"),
+        AlertRecord(**env(0, 26), ranks=[0, 1], rule="loss_not_finite",
+                    severity="critical", state="firing", incident_id="inc-nan", step=25,
+                    value=math.nan, message="loss is NaN"),
+    ]
+    out.append(RunRecord(**env(0, STEPS + 1), event="end", status="failed"))
+    return out
