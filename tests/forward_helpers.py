@@ -121,7 +121,7 @@ def drain(forwarder: Forwarder, records: int, timeout: float = 60.0) -> None:
 
 def assert_series(actual: dict[str, list[tuple[int, float]]], expected: dict[str, list[tuple[int, float]]],
                   rel: float = 1e-6) -> None:
-    assert sorted(actual) == sorted(expected)
+    assert sorted(actual) == sorted(expected), (set(actual) ^ set(expected))
     for name, points in expected.items():
         got = sorted(actual[name])
         assert [s for s, _ in got] == [s for s, _ in points], name
