@@ -9,6 +9,15 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=.venv
 say() { printf '==> %s\n' "$*" >&2; }
+# pip's own chatter (build-backend warnings) goes to a log shown only when pip fails.
+pip_install() {
+    local log=$VENV/pip-install.log
+    if ! "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" >"$log" 2>&1; then
+        tail -n 40 "$log" >&2
+        say "pip install failed; full log in $log"
+        exit 1
+    fi
+}
 
 if [ ! -x "$VENV/bin/python" ]; then
     say "creating virtualenv in $VENV"
@@ -23,12 +32,12 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     wheel=$(ls ../shared/wheels/torch-*+cpu-"$pyver"-*.whl 2>/dev/null | head -n1 || true)
     if [ -n "$wheel" ] && ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
         say "installing torch (CPU) from $wheel"
-        "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$wheel"
+        pip_install "$wheel"
     elif ! "$VENV/bin/python" -c 'import torch' 2>/dev/null; then
         say "no local torch wheel for $pyver; torch comes from PyPI"
     fi
     say "installing trainmon and its extras (a few minutes on a fresh machine)"
-    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -e '.[dev]'
+    pip_install -e '.[dev]'
     echo "$want" > "$stamp"
 fi
 
