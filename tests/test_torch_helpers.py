@@ -36,6 +36,12 @@ def test_grad_norm_and_zeros_by_hand():
     assert grad_fields(layer) == {"norm": pytest.approx(13.0), "num_zeros": 3}
 
 
+def test_zero_count_can_be_skipped():
+    layer = linear_with([[1, 2], [2, 0]], [4, 0], [[3, 0], [0, 4]], [0, 12])
+    assert grad_fields(layer, count_zeros=False) == {"norm": pytest.approx(13.0)}
+    assert "num_zeros" not in step_fields(layer, count_zeros=False)
+
+
 def test_params_norm_and_count_by_hand():
     # squares: 1 + 4 + 4 + 0 + 16 + 0 = 25.
     layer = linear_with([[1, 2], [2, 0]], [4, 0])

@@ -55,14 +55,16 @@ def _reduced(values: list[torch.Tensor], sharded: bool, group: Any) -> list[floa
     return totals.tolist()
 
 
-def _square_sums(tensors: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _square_sums(tensors: list[torch.Tensor], device: torch.device,
+                 count_zeros: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of squares, number of zeros) over all tensors, as float64 tensors on device."""
     squares = torch.zeros((), dtype=torch.float64, device=device)
     zeros = torch.zeros((), dtype=torch.float64, device=device)
     for t in tensors:
         t = _local(t.detach())
         squares += torch.linalg.vector_norm(t, dtype=torch.float32).to(device, torch.float64) ** 2
-        zeros += (t.numel() - torch.count_nonzero(t)).to(device, torch.float64)
+        if count_zeros:
+            zeros += (t.numel() - torch.count_nonzero(t)).to(device, torch.float64)
     return squares, zeros
 
 
@@ -70,30 +72,36 @@ def _device_of(tensors: list[torch.Tensor]) -> torch.device:
     return tensors[0].device if tensors else torch.device("cpu")
 
 
-def grad_fields(model: Tensors, *, sharded: bool = False, group: Any = None) -> dict[str, Any]:
+def grad_fields(model: Tensors, *, sharded: bool = False, group: Any = None,
+                count_zeros: bool = True) -> dict[str, Any]:
     """``norm`` (global grad L2 norm) and ``num_zeros`` (grad entries equal to 0) over all
     parameters that have a gradient. Pass ``sharded=True`` under FSDP / ZeRO / tensor
-    parallel, where each rank holds a part of the grads (one all-reduce)."""
+    parallel, where each rank holds a part of the grads (one all-reduce).
+    ``count_zeros=False`` skips the zero count, the dearer half on CPU."""
     grads = [p.grad for p in _params(model) if p.grad is not None]
-    squares, zeros = _square_sums(grads, _device_of(grads))
+    squares, zeros = _square_sums(grads, _device_of(grads), count_zeros)
     squares, zeros = _reduced([squares, zeros], sharded, group)
-    return {"norm": squares ** 0.5, "num_zeros": int(zeros)}
+    fields: dict[str, Any] = {"norm": squares ** 0.5}
+    if count_zeros:
+        fields["num_zeros"] = int(zeros)
+    return fields
 
 
 def params_fields(model: Tensors, *, sharded: bool = False, group: Any = None) -> dict[str, Any]:
     """``params_norm`` (L2 norm of all parameters) and ``num_params``."""
     params = _params(model)
     device = _device_of(params)
-    squares, _ = _square_sums(params, device)
+    squares, _ = _square_sums(params, device, count_zeros=False)
     count = torch.tensor(float(sum(_local(p).numel() for p in params)), dtype=torch.float64,
                          device=device)
     squares, count = _reduced([squares, count], sharded, group)
     return {"params_norm": squares ** 0.5, "num_params": int(count)}
 
 
-def step_fields(model: Tensors, *, sharded: bool = False, group: Any = None) -> dict[str, Any]:
+def step_fields(model: Tensors, *, sharded: bool = False, group: Any = None,
+                count_zeros: bool = True) -> dict[str, Any]:
     """grad_fields and params_fields together: norm, num_zeros, params_norm, num_params."""
-    return {**grad_fields(model, sharded=sharded, group=group),
+    return {**grad_fields(model, sharded=sharded, group=group, count_zeros=count_zeros),
             **params_fields(model, sharded=sharded, group=group)}
 
 
@@ -109,7 +117,7 @@ def layer_grad_norms(model: nn.Module, depth: int | None = None) -> dict[str, fl
     if not groups:
         return {}
     device = _device_of(next(iter(groups.values())))
-    squares = [_square_sums(grads, device)[0] for grads in groups.values()]
+    squares = [_square_sums(grads, device, count_zeros=False)[0] for grads in groups.values()]
     return {key: value ** 0.5 for key, value in zip(groups, torch.stack(squares).tolist())}
 
 
