@@ -359,6 +359,11 @@ def _layout(panels: list[dict]) -> list[dict]:
         targets = [{"refId": chr(ord("A") + i), "datasource": DATASOURCE, "editorType": "sql",
                     "format": spec["format"], "queryType": spec["queryType"], "rawSql": sql}
                    for i, sql in enumerate(spec["queries"])]
+        labelled = [sql for sql in spec["queries"] if " AS series" in sql]
+        if labelled and spec["format"] == 0:
+            # Name each series by its label ("rank 1 gpu 1") instead of "W {series=...}".
+            name = "${__field.labels.series}" + (" ${__field.name}" if len(spec["queries"]) > 1 else "")
+            spec["fieldConfig"]["defaults"]["displayName"] = name
         panel = {"id": number, "type": spec["type"], "title": spec["title"],
                  "gridPos": {"x": x, "y": y, "w": spec["w"], "h": spec["h"]},
                  "datasource": DATASOURCE, "targets": targets,
