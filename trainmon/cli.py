@@ -112,6 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in DELEGATED:
+        # Straight through: argparse's REMAINDER drops leading options ("sql --path P ...").
+        return _call(*DELEGATED[argv[0]], argv[1:])
     args = build_parser().parse_args(argv)
     return args.func(args)
 

@@ -16,7 +16,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.structs import OffsetAndMetadata
 
 from .. import kafka_config, topics
@@ -40,6 +40,7 @@ class RecordStream:
     def __init__(self, group_id: str, kinds: Iterable[str] | None = None, *,
                  topic_prefix: str | None = None, env: dict | None = None,
                  on_assign: Callable[[list[TopicPartition]], None] | None = None,
+                 on_revoke: Callable[[list[TopicPartition]], None] | None = None,
                  **consumer_settings):
         self.group_id = group_id
         self.prefix = topics.prefix() if topic_prefix is None else topic_prefix
@@ -51,7 +52,7 @@ class RecordStream:
                         fetch_max_bytes=64 * 1024 * 1024, **consumer_settings)
         self.consumer = KafkaConsumer(**settings)
         self._dlq: KafkaProducer | None = None
-        listener = _Rebalance(on_assign) if on_assign else None
+        listener = _Rebalance(on_assign, on_revoke) if on_assign or on_revoke else None
         topic_names = [topics.topic_for(k, self.prefix) for k in self.kinds]
         if listener:
             self.consumer.subscribe(topic_names, listener=listener)
@@ -116,15 +117,21 @@ class RecordStream:
         self.consumer.close(autocommit=False)
 
 
-class _Rebalance:
-    def __init__(self, on_assign):
+class _Rebalance(ConsumerRebalanceListener):
+    def __init__(self, on_assign, on_revoke=None):
         self._on_assign = on_assign
+        self._on_revoke = on_revoke
 
     def on_partitions_revoked(self, revoked):
-        pass
+        # A consumer that buffers writes settles them here, before another member
+        # takes the partitions over. kafka-python 3 calls this on its IO thread, where
+        # blocking Kafka calls (commit, committed) raise.
+        if self._on_revoke:
+            self._on_revoke(list(revoked))
 
     def on_partitions_assigned(self, assigned):
-        self._on_assign(list(assigned))
+        if self._on_assign:
+            self._on_assign(list(assigned))
 
 
 def stop_on_signals() -> threading.Event:

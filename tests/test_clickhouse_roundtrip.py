@@ -1,0 +1,154 @@
+"""Records through the real broker into chDB: every field of every kind intact."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import time
+from datetime import datetime, timedelta, timezone
+
+import pytest
+from kafka import KafkaConsumer, KafkaProducer, TopicPartition
+
+from trainmon import topics
+from trainmon.consumers.clickhouse.readback import record_from_row
+from trainmon.schemas import (RECORD_TYPES, AlertRecord, AllocatorRecord, DatasetRecord, EvalRecord,
+                              GpuModelRecord, GpuRecord, MoeRecord, RunRecord, StepRecord, encode)
+
+from .clickhouse_service import ClickHouseService
+from .conftest import read_topic
+
+T0 = datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=timezone.utc)
+NAN, INF = math.nan, math.inf
+
+
+def envelope(i: int, rank: int = 1) -> dict:
+    return dict(run_id="rt-run", rank=rank, world_size=4, host="node-7",
+                time=T0 + timedelta(seconds=i), event_id=f"ev-{i}")
+
+
+def every_kind() -> list:
+    """One record per kind with every optional field set, NaN / Inf where floats go."""
+    return [
+        StepRecord(**envelope(1), step=7, epoch=0.5, step_tokens=4096, duration_ms=812.5,
+                   loss=NAN, norm=INF, lr=-INF, tokens_per_second=5041.2, total_steps=100,
+                   loss_scale=65536.0, params_norm=NAN, num_zeros=3, num_params=7_000_000_000,
+                   consumed_samples=896, skipped=1, global_batch_size=128, tflops_per_gpu=INF,
+                   sol_percent=41.5, losses={"lm": 2.5, "aux": NAN}, timers={"fwd": 100.25, "bwd": INF}),
+        StepRecord(**envelope(2), step=8, epoch=0.5, step_tokens=4096, duration_ms=0.0,
+                   loss=2.25, norm=0.5, lr=1e-4),  # optional scalars absent: NULL
+        EvalRecord(**envelope(3), step=8, epoch=0.5, eval_tokens=1024, duration_ms=55.0, loss=INF,
+                   tokens_per_second=18618.1, perplexity=INF),
+        MoeRecord(**envelope(4), step=8, aux_loss=NAN, z_loss=0.001, expert_utilization=0.875,
+                  load_imbalance=1.5, layer_aux_loss=[0.1, NAN], layer_z_loss=[INF, -INF],
+                  layer_utilization=[1.0, 0.75], layer_imbalance=[1.0, 2.0]),
+        GpuRecord(**envelope(5), step=8, id=3, clock=1980, max_clock=1980, power=699_000,
+                  power_limit=700_000, temperature=-3, temp_slowdown=87, gpu_util=99, mem_util=40,
+                  dram_free=2**40, pcie_rx=10**9, pcie_tx=2 * 10**9, fan=0, throttle="sw_power_cap",
+                  energy=2**50),
+        AllocatorRecord(**envelope(6), step=8, stats=[
+            dict(name="weights", device=1 << 33, managed=0, pinned=4096, pageable=1),
+            dict(name="activations", device=5, managed=6, pinned=7, pageable=8)],
+            allocated=1, peak_allocated=2, active=3, inactive=4, reserved=5, alloc_retries=0),
+        DatasetRecord(**envelope(7), split="eval", files=12, tokens=10**12, file_index=3,
+                      chunk_index=9, seed=-42),
+        GpuModelRecord(**envelope(8), id=3, name="NVIDIA H100 80GB HBM3", sm_count=132, major=9,
+                       minor=0, memory=85_000_000_000, free=84_000_000_000, l2_size=52_428_800,
+                       uuid="GPU-1234", ecc=True, cuda_driver="12040", cuda_runtime="12.4"),
+        RunRecord(**envelope(9), event="start", status="running", name="llama-7b", project="p",
+                  config={"lr": 3e-4, "layers": [1, 2], "nested": {"x": None, "nan": NAN}},
+                  hostnames=["node-7", "node-8"], versions={"torch": "2.5.0"}),
+        AlertRecord(**envelope(10), rule="loss_nan", severity="critical", state="firing",
+                    incident_id="inc-1", ranks=[0, 3], step=8, value=NAN, threshold=-INF,
+                    message="loss is NaN on ranks 0, 3"),
+    ]
+
+
+def test_every_kind_lands_with_every_field_intact(bootstrap, topic_prefix, make_producer, tmp_path):
+    records = every_kind()
+    assert {r.kind for r in records} == set(RECORD_TYPES)
+    producer = make_producer()
+    for record in records:
+        producer.send_record(record)
+    assert producer.flush(30)
+
+    service = ClickHouseService(bootstrap, topic_prefix, tmp_path / "chdb", tmp_path / "svc.log").start()
+    try:
+        for kind in RECORD_TYPES:
+            expected = sorted((r for r in records if r.kind == kind), key=lambda r: r.event_id)
+            service.wait_for(f"SELECT count() FROM trainmon.{kind}", len(expected))
+            rows = service.rows(f"SELECT * FROM trainmon.{kind} ORDER BY event_id")
+            got = [record_from_row(kind, row) for row in rows]
+            assert [encode(r) for r in got] == [encode(r) for r in expected]
+            assert all(row["_topic"] == topics.topic_for(kind, topic_prefix) for row in rows)
+        # NaN and Inf are real floats in the table, not text or NULL.
+        assert service.rows("SELECT isNaN(loss) AS a, isInfinite(norm) AS b, lr < 0 AS c, "
+                            "isNull(params_norm) AS d FROM trainmon.step WHERE step = 7") == \
+            [{"a": 1, "b": 1, "c": 1, "d": 0}]
+    finally:
+        assert service.stop() == 0
+
+
+def test_poison_messages_are_dead_lettered_and_the_service_goes_on(
+        bootstrap, topic_prefix, make_producer, tmp_path):
+    step_topic = topics.topic_for("step", topic_prefix)
+    good = [StepRecord(**envelope(i, rank=0), step=i, epoch=0, step_tokens=1, duration_ms=1,
+                       loss=1, norm=1, lr=1) for i in range(3)]
+    too_big = good[0].model_copy(update={"event_id": "too-big", "step": 99, "num_params": 2**70})
+    newer = json.loads(encode(good[0]))
+    newer.update(schema_version=2, event_id="v2")
+    poison = [b"{not json", json.dumps({"run_id": "x"}).encode(), json.dumps(newer).encode(),
+              encode(too_big)]
+
+    raw = KafkaProducer(bootstrap_servers=bootstrap)
+    for i, value in enumerate([encode(good[0]), *poison[:2], encode(good[1]), *poison[2:], encode(good[2])]):
+        raw.send(step_topic, key=b"rt-run/0", value=value, partition=0)
+    raw.flush()
+    raw.close()
+
+    service = ClickHouseService(bootstrap, topic_prefix, tmp_path / "chdb", tmp_path / "svc.log").start()
+    try:
+        service.wait_for("SELECT groupArray(step) FROM (SELECT step FROM trainmon.step ORDER BY step)",
+                         [0, 1, 2])
+        letters = read_topic(bootstrap, topics.topic_for(topics.DEADLETTER, topic_prefix), 4)
+        bodies = [json.loads(m.value) for m in letters]
+        assert [base64.b64decode(b["value_base64"]) for b in bodies] == poison
+        errors = [b["error"] for b in bodies]
+        assert errors[0].startswith("not JSON")
+        assert "world_size" in errors[1] and "Field required" in errors[1]
+        assert "unsupported schema_version 2" in errors[2]
+        assert "num_params" in errors[3]
+        assert all(b["topic"] == step_topic for b in bodies)
+
+        # Still consuming after the poison.
+        make_producer(run_id="rt-run").log_step(3, step_tokens=1, duration_ms=1, loss=1, norm=1, lr=1)
+        service.wait_for("SELECT count() FROM trainmon.step", 4)
+    finally:
+        assert service.stop() == 0
+    log = service.log.read_text()
+    assert " 4 dead letters" in log, log[-2000:]
+
+
+def test_sigterm_writes_the_last_batch_and_commits(bootstrap, topic_prefix, make_producer, tmp_path):
+    producer = make_producer()
+    for step in range(50):
+        producer.log_step(step, step_tokens=10, duration_ms=5, loss=1.0, norm=1.0, lr=1e-3)
+    assert producer.flush(30)
+    # A long batch interval: only the SIGTERM path can write these rows.
+    service = ClickHouseService(bootstrap, topic_prefix, tmp_path / "chdb", tmp_path / "svc.log")
+    service.start("--batch-ms", "600000")
+    assert len(read_topic(bootstrap, topics.topic_for("step", topic_prefix), 50)) == 50
+    time.sleep(3)  # let it poll the records into its buffer
+    assert service.stop() == 0
+    assert service.value("SELECT count() FROM trainmon.step") == 50
+
+    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=f"{topic_prefix}clickhouse",
+                             enable_auto_commit=False)
+    try:
+        topic = topics.topic_for("step", topic_prefix)
+        partitions = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic)]
+        ends = consumer.end_offsets(partitions)
+        assert {tp: consumer.committed(tp) or 0 for tp in partitions} == ends
+    finally:
+        consumer.close()

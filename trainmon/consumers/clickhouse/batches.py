@@ -1,0 +1,51 @@
+"""Polled messages buffered per Kafka partition until a batch is due."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+from kafka import TopicPartition
+
+from ..stream import Message
+
+
+class PartitionBuffers:
+    """Messages grouped by (topic, partition), in offset order, with the age of the
+    oldest so a trickle is flushed on time and a burst by size."""
+
+    def __init__(self, max_rows: int, max_wait_s: float):
+        self.max_rows = max_rows
+        self.max_wait_s = max_wait_s
+        self.rows = 0
+        self._by_partition: dict[TopicPartition, list[Message]] = defaultdict(list)
+        self._oldest: float | None = None
+
+    def add(self, messages: list[Message]) -> None:
+        if not messages:
+            return
+        if self._oldest is None:
+            self._oldest = time.monotonic()
+        for m in messages:
+            self._by_partition[TopicPartition(m.topic, m.partition)].append(m)
+        self.rows += len(messages)
+
+    def due(self) -> bool:
+        return self.rows >= self.max_rows or (
+            self._oldest is not None and time.monotonic() - self._oldest >= self.max_wait_s)
+
+    def seconds_until_due(self) -> float:
+        if self._oldest is None:
+            return self.max_wait_s
+        return max(0.0, self.max_wait_s - (time.monotonic() - self._oldest))
+
+    def take(self, only: set[TopicPartition] | None = None) -> dict[TopicPartition, list[Message]]:
+        """Remove and return the buffered batches (all, or those of ``only``)."""
+        if only is None:
+            taken, self._by_partition = dict(self._by_partition), defaultdict(list)
+        else:
+            taken = {tp: self._by_partition.pop(tp) for tp in list(self._by_partition) if tp in only}
+        self.rows = sum(len(v) for v in self._by_partition.values())
+        if not self.rows:
+            self._oldest = None
+        return taken

@@ -1,0 +1,177 @@
+"""``trainmon sql``, ``trainmon replay`` and ``trainmon clickhouse init|ddl``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import urllib.error
+import uuid
+
+from ... import topics
+from ...schemas import RECORD_TYPES
+from .client import Target, connect
+from .ddl import create_all, create_table_sql
+from .loader import Loader, caught_up_with
+from .service import (add_batch_arguments, add_target_arguments, configure_logging,
+                      sql_endpoint_for, target_from)
+from .sql_endpoint import SqlQueryError, find_endpoint, query_endpoint, run_sql
+from .views import VIEWS
+
+# --format name -> ClickHouse output format; any other name is passed to ClickHouse as is.
+FORMATS = {
+    "table": "PrettyCompactMonoBlock",
+    "csv": "CSVWithNames",
+    "tsv": "TSVWithNames",
+    "json": "JSONEachRow",
+    "jsonl": "JSONEachRow",
+}
+# NaN / Inf stay visible in JSON ("nan", "inf" rather than null); 64-bit ints are numbers.
+OUTPUT_SETTINGS = {
+    "output_format_pretty_color": "0",
+    "output_format_pretty_row_numbers": "0",
+    "output_format_json_quote_denormals": "1",
+    "output_format_json_quote_64bit_integers": "0",
+}
+
+
+def _engine_busy(exc: Exception) -> bool:
+    text = str(exc)
+    return "Cannot lock file" in text or "Another server instance" in text or "EmbeddedServer" in text
+
+
+def query(target: Target, sql: str, fmt: str, settings: dict | None = None) -> bytes:
+    """SQL on ``target``: through the running service's endpoint when it holds the
+    embedded directory, else with a client of our own."""
+    settings = {**OUTPUT_SETTINGS, **(settings or {})}
+    if target.embedded:
+        info = find_endpoint(target.path)
+        if info is not None:
+            try:
+                return query_endpoint(info, sql, fmt, settings)
+            except urllib.error.URLError:
+                pass  # its process is gone but not yet reaped: the directory is free
+    client = connect(target)
+    try:
+        if client.command(f"EXISTS DATABASE {target.database}") == 1:
+            client.database = target.database
+        return run_sql(client, sql, fmt, settings)
+    finally:
+        client.close()
+
+
+def sql_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="trainmon sql", description="Run SQL on the trainmon ClickHouse database and print "
+        "the result. Tables and views can be named without the database (FROM step).")
+    parser.add_argument("sql", nargs="?", default="-", help="the query ('-' or none: read stdin)")
+    parser.add_argument("--format", "-f", default="table",
+                        help="table (default), csv, tsv, json (one object a line), or any "
+                             "ClickHouse output format name (Vertical, Markdown, ...)")
+    add_target_arguments(parser)
+    args = parser.parse_args(argv)
+    sql = sys.stdin.read() if args.sql == "-" else args.sql
+    fmt = FORMATS.get(args.format, args.format)
+    try:
+        out = query(target_from(args), sql, fmt)
+    except SqlQueryError as exc:
+        print(f"trainmon sql: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:  # noqa: BLE001 - e.g. the directory held by a non-service process
+        if _engine_busy(exc):
+            print(f"trainmon sql: the data directory is in use by another process that does not "
+                  f"answer SQL: {exc}", file=sys.stderr)
+            return 1
+        raise
+    sys.stdout.buffer.write(out)
+    sys.stdout.buffer.flush()
+    return 0
+
+
+def _rows_in(client, database: str) -> int:
+    if client.command(f"EXISTS DATABASE {database}") != 1:
+        return 0
+    return int(client.command("SELECT sum(total_rows) FROM system.tables WHERE database = "
+                              "{db:String} AND engine LIKE '%MergeTree'",
+                              parameters={"db": database}) or 0)
+
+
+def replay_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="trainmon replay",
+        description="Rebuild the tables from the topics, from the beginning, into a fresh "
+                    "chDB directory (--path) or database (--database); stops when it has "
+                    "read everything the topics held at its start.")
+    add_target_arguments(parser)
+    add_batch_arguments(parser)
+    args = parser.parse_args(argv)
+    configure_logging()
+    target = target_from(args)
+    client = connect(target)
+    try:
+        existing = _rows_in(client, target.database)
+        if existing:
+            print(f"trainmon replay: {target.describe()} already holds {existing} rows; replay "
+                  "builds a fresh database: choose another --path or --database", file=sys.stderr)
+            return 2
+        create_all(client, target.database)
+        group = f"trainmon-replay-{uuid.uuid4().hex[:12]}"
+        with sql_endpoint_for(target):
+            loader = Loader(client, database=target.database, group_id=group,
+                            topic_prefix=args.topic_prefix, max_rows=args.batch_rows,
+                            max_wait_s=args.batch_ms / 1000)
+            names = [topics.topic_for(k, loader.stream.prefix) for k in RECORD_TYPES]
+            loader.run(until=caught_up_with(loader.stream.consumer, names))
+        _delete_group(group)
+    finally:
+        client.close()
+    print(f"replayed {loader.rows_inserted} rows into {target.describe()} "
+          f"({loader.dead_letters} dead letters)")
+    return 0
+
+
+def _delete_group(group: str) -> None:
+    from kafka import KafkaAdminClient
+    from kafka.errors import KafkaError
+
+    from ... import kafka_config
+
+    try:
+        admin = KafkaAdminClient(**kafka_config.client_settings())
+        try:
+            admin.delete_consumer_groups([group])
+        finally:
+            admin.close()
+    except (KafkaError, OSError):
+        pass  # a leftover empty group is harmless
+
+
+def clickhouse_main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="trainmon clickhouse",
+                                     description="Manage the trainmon ClickHouse schema.")
+    parser.add_argument("action", choices=["init", "ddl"],
+                        help="init: create or migrate database, tables and views; "
+                             "ddl: print the SQL that init runs")
+    add_target_arguments(parser)
+    args = parser.parse_args(argv)
+    target = target_from(args)
+    if args.action == "ddl":
+        db = target.database
+        statements = [f"CREATE DATABASE IF NOT EXISTS {db}"]
+        statements += [create_table_sql(kind, db) for kind in RECORD_TYPES]
+        statements += [sql.format(db=db).strip() for sql in VIEWS.values()]
+        print(";\n\n".join(statements) + ";")
+        return 0
+    try:
+        client = connect(target)
+    except Exception as exc:  # noqa: BLE001
+        if _engine_busy(exc):
+            print(f"trainmon clickhouse init: {target.path} is held by a running service, "
+                  "which has already created the tables", file=sys.stderr)
+            return 1
+        raise
+    try:
+        create_all(client, target.database)
+    finally:
+        client.close()
+    print(f"tables and views ready in {target.describe()}")
+    return 0

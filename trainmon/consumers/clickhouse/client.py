@@ -1,0 +1,79 @@
+"""Where the tables live, and one clickhouse-connect client to reach them.
+
+Embedded (default): chDB in this process through clickhouse-connect's chdb backend,
+persistent in ``TRAINMON_CLICKHOUSE_PATH`` (default ``./trainmon-data/chdb``, relative
+to the working directory). Production: a ClickHouse server at ``TRAINMON_CLICKHOUSE_URL``
+with ``TRAINMON_CLICKHOUSE_USER`` / ``_PASSWORD``. Both use the database
+``TRAINMON_CLICKHOUSE_DATABASE`` (default ``trainmon``) and exactly the same SQL.
+
+chDB hosts one engine per process and locks its data directory against other
+processes; see :mod:`.sql_endpoint` for how ``trainmon sql`` reaches a directory that
+a running service holds.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+DEFAULT_PATH = Path("trainmon-data") / "chdb"
+DEFAULT_DATABASE = "trainmon"
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class Target:
+    """One ClickHouse destination: a server ``url`` or else an embedded chDB ``path``."""
+
+    path: Path = DEFAULT_PATH
+    url: str | None = None
+    user: str | None = None
+    password: str | None = None
+    database: str = DEFAULT_DATABASE
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+        if not _IDENTIFIER.match(self.database):
+            raise ValueError(f"TRAINMON_CLICKHOUSE_DATABASE: {self.database!r} is not a plain "
+                             "identifier (letters, digits, underscore)")
+
+    @property
+    def embedded(self) -> bool:
+        return self.url is None
+
+    @classmethod
+    def from_env(cls, env: dict | None = None, **overrides) -> "Target":
+        env = os.environ if env is None else env
+        target = cls(
+            path=Path(env.get("TRAINMON_CLICKHOUSE_PATH") or DEFAULT_PATH),
+            url=env.get("TRAINMON_CLICKHOUSE_URL") or None,
+            user=env.get("TRAINMON_CLICKHOUSE_USER") or None,
+            password=env.get("TRAINMON_CLICKHOUSE_PASSWORD") or None,
+            database=env.get("TRAINMON_CLICKHOUSE_DATABASE") or DEFAULT_DATABASE,
+        )
+        return replace(target, **{k: v for k, v in overrides.items() if v is not None})
+
+    def describe(self) -> str:
+        return f"{self.url}/{self.database}" if self.url else f"chdb:{self.path.resolve()}/{self.database}"
+
+
+def connect(target: Target | None = None):
+    """A clickhouse-connect client on ``target`` (from env when not given).
+
+    The client's default database is left alone: all trainmon SQL names its tables as
+    ``<database>.<table>``, and the database may not exist before ``create_all``.
+    """
+    import clickhouse_connect
+
+    target = target or Target.from_env()
+    if target.embedded:
+        target.path.mkdir(parents=True, exist_ok=True)
+        return clickhouse_connect.get_client(interface="chdb", path=str(target.path))
+    kwargs = {"dsn": target.url}
+    if target.user:
+        kwargs["username"] = target.user
+    if target.password:
+        kwargs["password"] = target.password
+    return clickhouse_connect.get_client(**kwargs)

@@ -1,0 +1,69 @@
+"""Records to column batches, and the insert every writer uses.
+
+``insert_records(client, records)`` is the public way to put records into the tables
+(tests, demos, backfills): it groups them by kind and inserts one column batch per kind.
+The consumer service uses :func:`insert_batch` with Kafka coordinates and a dedup token.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Iterable, Sequence
+
+from ...schemas import RECORD_TYPES, Record
+from .client import DEFAULT_DATABASE
+from .ddl import Column, data_columns
+
+KAFKA_COLUMNS = ("_topic", "_partition", "_offset")
+
+
+@lru_cache(maxsize=None)
+def _columns(kind: str) -> tuple[Column, ...]:
+    return tuple(data_columns(RECORD_TYPES[kind]))
+
+
+def to_columns(kind: str, records: Sequence[Record]) -> tuple[list[str], list[list]]:
+    """Column names and column-oriented values for records of one kind."""
+    names, values = [], []
+    dicts = [r.__dict__ for r in records]
+    for column in _columns(kind):
+        names.append(column.name)
+        field, extract = column.field, column.extract
+        if extract.__name__ == "_identity":
+            values.append([d[field] for d in dicts])
+        else:
+            values.append([extract(d[field]) for d in dicts])
+    return names, values
+
+
+def insert_batch(client, kind: str, records: Sequence[Record], *, database: str = DEFAULT_DATABASE,
+                 kafka: tuple[str, int, Sequence[int]] | None = None,
+                 dedup_token: str | None = None) -> None:
+    """Insert records of one kind as one column batch.
+
+    ``kafka`` = (topic, partition, offsets) fills the bookkeeping columns. ``dedup_token``
+    makes a retry of the identical batch a no-op (MergeTree insert deduplication).
+    """
+    if not records:
+        return
+    names, values = to_columns(kind, records)
+    n = len(records)
+    topic, partition, offsets = kafka if kafka else ("", -1, [-1] * n)
+    names += KAFKA_COLUMNS
+    values += [[topic] * n, [partition] * n, list(offsets)]
+    settings = {"insert_deduplication_token": dedup_token} if dedup_token else None
+    client.insert(f"{database}.{kind}", values, column_names=names, column_oriented=True,
+                  settings=settings)
+
+
+def insert_records(client, records: Iterable[Record], database: str = DEFAULT_DATABASE) -> int:
+    """Insert records of any kinds (no Kafka coordinates: ``_partition`` = -1).
+
+    Call ``create_all(client, database)`` first. Returns the number of rows inserted.
+    """
+    by_kind: dict[str, list[Record]] = {}
+    for record in records:
+        by_kind.setdefault(record.kind, []).append(record)
+    for kind, batch in by_kind.items():
+        insert_batch(client, kind, batch, database=database)
+    return sum(len(b) for b in by_kind.values())

@@ -1,0 +1,187 @@
+"""Kafka -> ClickHouse, exactly once: the loop behind ``trainmon consume clickhouse``
+and ``trainmon replay``.
+
+- On partition assignment, seek each partition to ``max(_offset) + 1`` as stored in
+  ClickHouse: the tables, not Kafka's committed offsets, say what is loaded, so an
+  insert that succeeded just before a crash is never read again.
+- Insert one column batch per partition with the dedup token
+  ``topic-partition-first-last``; a failed insert is retried with the identical batch
+  and token, so an insert that did land but whose answer was lost is dropped by
+  ClickHouse instead of duplicated.
+- Commit to Kafka after the inserts (for lag monitoring and for partitions that never
+  had a row, e.g. only dead letters).
+- On revocation, buffered rows of the revoked partitions are dropped, not written: their
+  next owner reads them again from ``max(_offset) + 1``. Inserts and revocations take one
+  lock, so no batch of a partition lands after it was handed over.
+- A record ClickHouse cannot take (e.g. an int beyond Int64) is dead-lettered alone.
+
+kafka-python 3 runs rebalance callbacks on its IO thread, where blocking Kafka calls
+(commit, committed) are refused; the callbacks here only query ClickHouse and seek.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Callable
+
+from kafka import TopicPartition
+from kafka.errors import KafkaError
+from clickhouse_connect.driver.exceptions import DataError, Error as ClickHouseError
+
+from ..stream import Message, RecordStream
+from .batches import PartitionBuffers
+from .columns import insert_batch
+from .offsets import stored_positions
+
+log = logging.getLogger("trainmon.clickhouse")
+
+# Test hook: kill -9 this process right after the N-th batch insert, before its Kafka
+# commit: the window in which a naive consumer duplicates rows.
+_CRASH_AFTER_INSERTS = int(os.environ.get("TRAINMON_CLICKHOUSE_CRASH_AFTER_INSERTS") or 0)
+
+
+class Loader:
+    def __init__(self, client, *, database: str, group_id: str, topic_prefix: str | None = None,
+                 env: dict | None = None, max_rows: int = 10_000, max_wait_s: float = 0.5,
+                 stop: threading.Event | None = None, consumer_settings: dict | None = None):
+        self.client = client
+        self.database = database
+        self.stop = stop or threading.Event()
+        self.buffers = PartitionBuffers(max_rows, max_wait_s)
+        self.rows_inserted = 0
+        self.inserts = 0
+        self.insert_retries = 0
+        self._dead_letters_committed = 0
+        self._lock = threading.RLock()
+        self._owned: set[TopicPartition] = set()
+        self.stream = RecordStream(group_id, topic_prefix=topic_prefix, env=env,
+                                   on_assign=self._on_assign, on_revoke=self._on_revoke,
+                                   **(consumer_settings or {}))
+
+    @property
+    def dead_letters(self) -> int:
+        return self.stream.dead_letters
+
+    # -- rebalancing (on kafka-python's IO thread) -------------------------------------
+
+    def _on_assign(self, partitions: list[TopicPartition]) -> None:
+        with self._lock:
+            stored = stored_positions(self.client, self.database, partitions, self.stream.prefix)
+            for tp, position in stored.items():
+                self.stream.consumer.seek(tp, position)
+            self._owned.update(partitions)
+        log.info("assigned %d partitions; %d resume from ClickHouse offsets",
+                 len(partitions), len(stored))
+
+    def _on_revoke(self, partitions: list[TopicPartition]) -> None:
+        with self._lock:
+            self._owned.difference_update(partitions)
+            dropped = self.buffers.take(only=set(partitions))
+        if dropped:
+            log.info("revoked: %d buffered rows left for the partitions' next owner",
+                     sum(len(v) for v in dropped.values()))
+
+    # -- writing --------------------------------------------------------------------
+
+    def _buffer(self, messages: list[Message]) -> None:
+        with self._lock:
+            owned = self._owned
+            self.buffers.add([m for m in messages if TopicPartition(m.topic, m.partition) in owned])
+
+    def flush_and_commit(self) -> None:
+        with self._lock:
+            batches = self.buffers.take()
+            for tp, messages in batches.items():
+                self._insert_partition(tp, messages)
+        # Outside the lock: a commit waits on the IO thread, which may be in _on_revoke.
+        if batches or self.dead_letters > self._dead_letters_committed:
+            try:
+                self.stream.commit_polled()
+                self._dead_letters_committed = self.dead_letters
+            except KafkaError as exc:  # e.g. a rebalance under way; ClickHouse holds the truth
+                log.warning("Kafka commit failed (will commit again later): %s", exc)
+
+    def _insert_partition(self, tp: TopicPartition, messages: list[Message]) -> None:
+        token = f"{tp.topic}-{tp.partition}-{messages[0].offset}-{messages[-1].offset}"
+        attempt = 0
+        while True:
+            try:
+                self._insert(tp, messages, token)
+                break
+            except DataError as exc:
+                # The batch could not be encoded: find and dead-letter the culprits.
+                log.warning("batch %s rejected (%s); inserting its records one by one", token, exc)
+                self._insert_one_by_one(tp, messages)
+                break
+            except ClickHouseError as exc:
+                attempt += 1
+                self.insert_retries += 1
+                if self.stop.is_set() and attempt >= 3:
+                    raise
+                delay = min(30.0, 0.2 * 2 ** attempt)
+                log.warning("insert %s failed (attempt %d), retrying in %.1fs: %s",
+                            token, attempt, delay, exc)
+                time.sleep(delay)
+        self.inserts += 1
+        if _CRASH_AFTER_INSERTS and self.inserts >= _CRASH_AFTER_INSERTS:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def _insert(self, tp: TopicPartition, messages: list[Message], token: str) -> None:
+        insert_batch(self.client, messages[0].kind, [m.record for m in messages],
+                     database=self.database, dedup_token=token,
+                     kafka=(tp.topic, tp.partition, [m.offset for m in messages]))
+        self.rows_inserted += len(messages)
+
+    def _insert_one_by_one(self, tp: TopicPartition, messages: list[Message]) -> None:
+        for m in messages:
+            try:
+                self._insert(tp, [m], f"{tp.topic}-{tp.partition}-{m.offset}-{m.offset}")
+            except DataError as exc:
+                self.stream.dead_letter(m, f"ClickHouse cannot store this {m.kind} record: "
+                                           f"{str(exc).splitlines()[0]}")
+
+    # -- the loop -------------------------------------------------------------------
+
+    def run(self, until: Callable[["Loader"], bool] | None = None) -> None:
+        """Consume until ``stop`` is set (or ``until(self)`` holds with nothing buffered),
+        then write what is buffered and commit."""
+        last_report = time.monotonic()
+        try:
+            while not self.stop.is_set():
+                # Short polls: a stop request is noticed within half a second.
+                wait = min(0.5, self.buffers.seconds_until_due())
+                room = max(1, self.buffers.max_rows - self.buffers.rows)
+                self._buffer(self.stream.poll(timeout_ms=int(wait * 1000), max_records=room))
+                if self.buffers.due() or (not self.buffers.rows and
+                                          self.dead_letters > self._dead_letters_committed):
+                    self.flush_and_commit()
+                if until is not None and not self.buffers.rows and until(self):
+                    break
+                if time.monotonic() - last_report >= 30:
+                    last_report = time.monotonic()
+                    log.info("%d rows inserted, %d dead letters", self.rows_inserted, self.dead_letters)
+            self.flush_and_commit()
+        finally:
+            self.stream.close()
+        log.info("stopped: %d rows inserted in %d inserts, %d dead letters, %d insert retries",
+                 self.rows_inserted, self.inserts, self.dead_letters, self.insert_retries)
+
+
+def caught_up_with(consumer, topic_names: list[str]) -> Callable[[Loader], bool]:
+    """A condition true once every partition of the topics is read up to its end as of
+    now (for replay: everything that was in the topics when it started)."""
+    partitions = [TopicPartition(t, p) for t in topic_names
+                  for p in (consumer.partitions_for_topic(t) or ())]
+    ends = consumer.end_offsets(partitions) if partitions else {}
+
+    def caught_up(loader: Loader) -> bool:
+        assigned = consumer.assignment()
+        if any(tp not in assigned for tp in ends):
+            return False
+        return all(consumer.position(tp) >= end for tp, end in ends.items())
+
+    return caught_up

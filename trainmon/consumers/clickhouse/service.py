@@ -1,0 +1,108 @@
+"""``trainmon consume clickhouse``: the materializer service.
+
+Joins the consumer group (default ``trainmon-clickhouse``), creates / migrates the tables
+at start, loads every record topic exactly once (see :mod:`.loader`), answers SQL for
+other processes when it runs on embedded chDB (see :mod:`.sql_endpoint`), and on SIGTERM
+or Ctrl-C writes its last batch, commits and exits 0. More processes in the same group
+share the partitions -- with a ClickHouse server; an embedded chDB directory belongs to
+one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from contextlib import contextmanager
+
+from ... import kafka_config
+from ..stream import stop_on_signals
+from .client import Target, connect
+from .ddl import create_all
+from .loader import Loader
+from .sql_endpoint import SqlEndpoint
+
+DEFAULT_GROUP = "trainmon-clickhouse"
+log = logging.getLogger("trainmon.clickhouse")
+
+
+def add_target_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--path", help="chDB data directory (default: $TRAINMON_CLICKHOUSE_PATH "
+                                       "or ./trainmon-data/chdb)")
+    parser.add_argument("--url", help="ClickHouse server URL (default: $TRAINMON_CLICKHOUSE_URL; "
+                                      "when set, --path is not used)")
+    parser.add_argument("--database", help="database (default: $TRAINMON_CLICKHOUSE_DATABASE "
+                                           "or trainmon)")
+
+
+def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch-rows", type=int, default=10_000,
+                        help="insert when this many rows are buffered (default 10000)")
+    parser.add_argument("--batch-ms", type=int, default=500,
+                        help="insert buffered rows at the latest after this long (default 500)")
+    parser.add_argument("--topic-prefix", default=None,
+                        help="topic prefix (default: $TRAINMON_TOPIC_PREFIX or trainmon.)")
+
+
+def target_from(args) -> Target:
+    return Target.from_env(path=args.path, url=args.url, database=args.database)
+
+
+@contextmanager
+def sql_endpoint_for(target: Target, enabled: bool = True):
+    """While the block runs, other processes can query an embedded target."""
+    if not (enabled and target.embedded):
+        yield None
+        return
+    client = connect(target)
+    client.database = target.database  # so people can write FROM step
+    endpoint = SqlEndpoint(client, target.path).start()
+    try:
+        yield endpoint
+    finally:
+        endpoint.stop()
+        client.close()
+
+
+def configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("kafka").setLevel(logging.WARNING)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="trainmon consume clickhouse", description=__doc__.splitlines()[0])
+    add_target_arguments(parser)
+    add_batch_arguments(parser)
+    parser.add_argument("--group", default=DEFAULT_GROUP, help=f"consumer group (default {DEFAULT_GROUP})")
+    parser.add_argument("--instance-id", default=os.environ.get("TRAINMON_CLICKHOUSE_INSTANCE_ID"),
+                        help="static group membership id, unique per process: a restarted "
+                             "process gets its partitions back at once instead of after the "
+                             "45 s session timeout (default: $TRAINMON_CLICKHOUSE_INSTANCE_ID)")
+    parser.add_argument("--no-sql-endpoint", action="store_true",
+                        help="do not answer SQL for other processes")
+    args = parser.parse_args(argv)
+    configure_logging()
+    target = target_from(args)
+    stop = stop_on_signals()
+    client = connect(target)
+    try:
+        create_all(client, target.database)
+        with sql_endpoint_for(target, not args.no_sql_endpoint):
+            loader = Loader(client, database=target.database, group_id=args.group,
+                            topic_prefix=args.topic_prefix, max_rows=args.batch_rows,
+                            max_wait_s=args.batch_ms / 1000, stop=stop,
+                            consumer_settings={"group_instance_id": args.instance_id}
+                            if args.instance_id else None)
+            log.info("consuming %s* from %s into %s as group %s",
+                     loader.stream.prefix, kafka_config.bootstrap_servers(),
+                     target.describe(), args.group)
+            loader.run()
+    finally:
+        client.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Views for the common questions, created with the tables (plain views: computed at
+query time, so they are never stale and need no backfill). Columns are listed in
+docs/clickhouse.md; the Grafana dashboards query these names.
+
+All views read with FINAL, so a record the producer sent twice (same event_id, e.g. a
+spill-file replay) is counted once even before ClickHouse merges the duplicate away.
+"""
+
+from __future__ import annotations
+
+# Megatron's "minmax" timers: per step, each timer's min and max over the ranks, and
+# which rank was slowest (the straggler).
+STEP_ACROSS_RANKS = """
+CREATE OR REPLACE VIEW {db}.step_across_ranks AS
+SELECT
+    run_id,
+    step,
+    count() AS ranks_reporting,
+    max(world_size) AS world_size,
+    min(time) AS first_time,
+    max(time) AS last_time,
+    min(duration_ms) AS min_duration_ms,
+    max(duration_ms) AS max_duration_ms,
+    avg(duration_ms) AS mean_duration_ms,
+    argMax(rank, duration_ms) AS slowest_rank,
+    argMin(rank, duration_ms) AS fastest_rank,
+    max(duration_ms) / nullIf(avg(duration_ms), 0) AS straggler_ratio,
+    sum(step_tokens) AS step_tokens,
+    avg(loss) AS mean_loss,
+    min(loss) AS min_loss,
+    max(loss) AS max_loss,
+    minMap(timers) AS timers_min_ms,
+    maxMap(timers) AS timers_max_ms
+FROM {db}.step FINAL
+GROUP BY run_id, step
+"""
+
+# A tuple keeps the whole latest row together: argMax on a lone Nullable column would
+# skip NULLs and mix values from different steps.
+LATEST_STEP = """
+CREATE OR REPLACE VIEW {db}.latest_step AS
+SELECT
+    run_id,
+    rank,
+    step,
+    latest.1 AS time,
+    latest.2 AS loss,
+    latest.3 AS duration_ms,
+    latest.4 AS tokens_per_second,
+    latest.5 AS lr,
+    latest.6 AS norm,
+    latest.7 AS epoch,
+    latest.8 AS host,
+    dateDiff('millisecond', latest.1, now64(6)) / 1000 AS seconds_since
+FROM (
+    SELECT run_id, rank, max(step_number) AS step, argMax(row, step_number) AS latest
+    FROM (
+        SELECT run_id, rank, step AS step_number,
+               (time, loss, duration_ms, tokens_per_second, lr, norm, epoch, host) AS row
+        FROM {db}.step FINAL
+    )
+    GROUP BY run_id, rank
+)
+"""
+
+RUN_SUMMARY = """
+CREATE OR REPLACE VIEW {db}.run_summary AS
+SELECT
+    seen.run_id AS run_id,
+    runs.name AS name,
+    runs.project AS project,
+    runs.status AS status,
+    steps.world_size AS world_size,
+    steps.ranks AS ranks,
+    coalesce(steps.steps, 0) AS steps,
+    steps.last_step AS last_step,
+    coalesce(steps.tokens, 0) AS tokens,
+    steps.last_loss AS last_loss,
+    evals.best_eval_loss AS best_eval_loss,
+    coalesce(evals.evals, 0) AS evals,
+    coalesce(alerts.alerts_fired, 0) AS alerts_fired,
+    coalesce(alerts.alerts_critical, 0) AS alerts_critical,
+    coalesce(alerts.alerts_open, 0) AS alerts_open,
+    seen.started_at AS started_at,
+    seen.last_seen_at AS last_seen_at,
+    (toUnixTimestamp64Micro(seen.last_seen_at) - toUnixTimestamp64Micro(seen.started_at)) / 1e6
+        AS wall_seconds
+FROM (
+    SELECT run_id, min(time) AS started_at, max(time) AS last_seen_at
+    FROM (
+        SELECT run_id, time FROM {db}.run
+        UNION ALL SELECT run_id, time FROM {db}.step
+        UNION ALL SELECT run_id, time FROM {db}.eval
+    )
+    GROUP BY run_id
+) AS seen
+LEFT JOIN (
+    SELECT run_id,
+           anyIf(name, event = 'start') AS name,
+           anyIf(project, event = 'start') AS project,
+           argMax(status, time) AS status
+    FROM {db}.run FINAL
+    GROUP BY run_id
+) AS runs ON runs.run_id = seen.run_id
+LEFT JOIN (
+    SELECT run_id,
+           max(world_size) AS world_size,
+           max(ranks_reporting) AS ranks,
+           count() AS steps,
+           max(step) AS last_step,
+           sum(step_tokens) AS tokens,
+           argMax(mean_loss, step) AS last_loss
+    FROM {db}.step_across_ranks
+    GROUP BY run_id
+) AS steps ON steps.run_id = seen.run_id
+LEFT JOIN (
+    SELECT run_id, minIf(loss, isFinite(loss)) AS best_eval_loss, count() AS evals
+    FROM {db}.eval FINAL
+    GROUP BY run_id
+) AS evals ON evals.run_id = seen.run_id
+LEFT JOIN (
+    SELECT run_id,
+           sum(fired) AS alerts_fired,
+           sum(critical) AS alerts_critical,
+           countIf(last_state = 'firing') AS alerts_open
+    FROM (
+        SELECT run_id, incident_id,
+               countIf(state = 'firing') AS fired,
+               countIf(state = 'firing' AND severity = 'critical') AS critical,
+               argMax(state, time) AS last_state
+        FROM {db}.alert FINAL
+        GROUP BY run_id, incident_id
+    )
+    GROUP BY run_id
+) AS alerts ON alerts.run_id = seen.run_id
+SETTINGS join_use_nulls = 1
+"""
+
+VIEWS = {"step_across_ranks": STEP_ACROSS_RANKS, "latest_step": LATEST_STEP,
+         "run_summary": RUN_SUMMARY}
+
+
+def create_views(client, database: str) -> None:
+    for sql in VIEWS.values():
+        client.command(sql.format(db=database))
