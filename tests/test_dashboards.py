@@ -1,0 +1,156 @@
+"""The Grafana dashboards: the JSON is what infra/grafana/build.py writes, every panel,
+annotation, variable and alert-rule query -- macros expanded as the ClickHouse plugin
+does -- runs against chDB holding a representative run and returns rows."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.dashboard_data import RUN_ID, T0
+from trainmon.grafana_sql import ALL, TimeRange, dashboard_queries, expand, load_dashboards
+
+REPO = Path(__file__).resolve().parents[1]
+GRAFANA = REPO / "infra" / "grafana"
+DASHBOARDS = load_dashboards(GRAFANA / "dashboards")
+PROVISIONED_SOURCE = yaml.safe_load(
+    (GRAFANA / "provisioning" / "datasources" / "clickhouse.yaml").read_text())["datasources"][0]
+ALERT_RULES = [rule for path in sorted((GRAFANA / "provisioning" / "alerting").glob("*.yaml"))
+               for group in yaml.safe_load(path.read_text())["groups"] for rule in group["rules"]]
+TIME = TimeRange(T0 - timedelta(minutes=10), T0 + timedelta(hours=1), interval_s=10)
+RANK_CHOICES = {"all ranks": ALL, "ranks 0,1": [0, 1]}
+
+
+def all_queries() -> dict[str, str]:
+    """name -> SQL with macros expanded, for each rank choice."""
+    queries = {}
+    for dashboard in DASHBOARDS:
+        for q in dashboard_queries(dashboard):
+            for choice, ranks in RANK_CHOICES.items():
+                name = f"{q.dashboard} / {q.panel} / {q.ref_id} / {choice}"
+                assert name not in queries, f"two queries named {name}"
+                queries[name] = expand(q.sql, TIME, {"run_id": RUN_ID, "rank": ranks})
+    for rule in ALERT_RULES:
+        for query in rule["data"]:
+            if query["datasourceUid"] == PROVISIONED_SOURCE["uid"]:
+                queries[f"alert rule {rule['uid']} / {query['refId']}"] = \
+                    expand(query["model"]["rawSql"], TIME)
+    return queries
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, dict]:
+    # chDB hosts one data directory per process: load and query in a child process.
+    proc = subprocess.run([sys.executable, "-m", "tests.run_dashboard_sql",
+                           str(tmp_path_factory.mktemp("chdb") / "data")],
+                          input=json.dumps(all_queries()), capture_output=True, text=True,
+                          cwd=REPO, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def test_every_query_runs_and_returns_rows(results):
+    failures = {name: r.get("error", "no rows") for name, r in results.items()
+                if "error" in r or not r["rows"]}
+    assert failures == {}
+    assert len(results) == len(all_queries())
+
+
+def test_queries_show_the_injected_problems(results):
+    def rows(name):
+        return results[name]["rows"]
+
+    stragglers = rows("trainmon / Ranks / Stragglers (slowest steps) / A / all ranks")
+    assert stragglers[0][:2] == ["22", "1"]  # rank 1 stalled at steps 20-22
+    grad = dict(rows("trainmon / Run overview / Grad norm / A / all ranks"))
+    assert max(float(v) for v in grad.values()) == 25.0
+    open_incidents = rows("trainmon / Alerts / Open incidents / A / all ranks")
+    assert sorted(r[1] for r in open_incidents) == ["'loss_not_finite'", "'straggler'"]
+    annotations = rows("trainmon / Alerts / annotation trainmon alerts / annotation / all ranks")
+    assert len(annotations) == 3 and annotations[0][1] != "None"  # the spike was resolved
+    assert len(rows(f"alert rule {ALERT_RULES[0]['uid']} / A")) == 2
+    assert rows("trainmon / Run overview / ETA / A / all ranks") == [["71.0"]]
+
+
+def test_only_the_chosen_ranks_are_queried(results):
+    every = results["trainmon / Ranks / Latest step per rank / A / all ranks"]["rows"]
+    assert [r[0] for r in every] == ["0", "1"]
+    sql = all_queries()["trainmon / Ranks / Latest step per rank / A / ranks 0,1"]
+    assert "rank IN (0,1)" in sql
+
+
+def test_dashboards_are_what_the_build_script_writes():
+    spec = importlib.util.spec_from_file_location("grafana_build", GRAFANA / "build.py")
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    on_disk = {p.name: p.read_text() for p in (GRAFANA / "dashboards").glob("*.json")}
+    assert on_disk == build.render(), "run: python infra/grafana/build.py"
+
+
+def test_dashboards_use_the_provisioned_source_and_a_run_variable():
+    assert {d["title"] for d in DASHBOARDS} == {
+        "trainmon / Run overview", "trainmon / Ranks", "trainmon / GPU", "trainmon / MoE",
+        "trainmon / Memory", "trainmon / Alerts"}
+    assert len({d["uid"] for d in DASHBOARDS}) == len(DASHBOARDS)
+    source = {"type": PROVISIONED_SOURCE["type"], "uid": PROVISIONED_SOURCE["uid"]}
+    for dashboard in DASHBOARDS:
+        variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+        assert "run_id" in variables and variables["run_id"]["datasource"] == source
+        ids = [p["id"] for p in dashboard["panels"]]
+        assert len(ids) == len(set(ids))
+        for panel in dashboard["panels"]:
+            assert panel["datasource"] == source
+            for target in panel["targets"]:
+                assert target["datasource"] == source and target["editorType"] == "sql"
+                assert "${run_id}" in target["rawSql"], f"{panel['title']} ignores the run"
+                time_series = panel["type"] in ("timeseries", "heatmap")
+                assert target["format"] == (0 if time_series else 1)
+        names = [a["name"] for a in dashboard["annotations"]["list"]]
+        assert "trainmon alerts" in names
+
+
+def test_alert_rule_reads_the_provisioned_source():
+    [rule] = ALERT_RULES
+    refs = {q["refId"]: q for q in rule["data"]}
+    assert refs["A"]["datasourceUid"] == PROVISIONED_SOURCE["uid"]
+    assert refs[rule["condition"]]["model"]["expression"] == "A"
+
+
+# -- the macro expansion itself ---------------------------------------------------------
+
+RANGE = TimeRange(datetime(2026, 1, 1, tzinfo=timezone.utc),
+                  datetime(2026, 1, 1, 1, tzinfo=timezone.utc), interval_s=30)
+FROM, TO = 1767225600, 1767229200
+
+
+def test_time_macros_expand_like_the_plugin():
+    assert expand("WHERE $__timeFilter(time)", RANGE) == \
+        f"WHERE time >= toDateTime({FROM}) AND time <= toDateTime({TO})"
+    assert expand("$__timeFilter_ms(t)", RANGE) == (
+        f"t >= fromUnixTimestamp64Milli({FROM}000) AND t <= fromUnixTimestamp64Milli({TO}000)")
+    assert expand("$__timeInterval(time)", RANGE) == \
+        "toStartOfInterval(toDateTime(time), INTERVAL 30 second)"
+    assert expand("$__fromTime $__toTime $__interval_s $__fromTime_ms", RANGE) == \
+        f"toDateTime({FROM}) toDateTime({TO}) 30 fromUnixTimestamp64Milli({FROM}000)"
+
+
+def test_variables_and_conditional_all():
+    sql = "run_id = '${run_id}' AND $__conditionalAll(rank IN (${rank:csv}), $rank)"
+    assert expand(sql, RANGE, {"run_id": "r1", "rank": ALL}) == "run_id = 'r1' AND 1=1"
+    assert expand(sql, RANGE, {"run_id": "r1", "rank": [2, 5]}) == \
+        "run_id = 'r1' AND rank IN (2,5)"
+    assert expand("host IN ($host)", RANGE, {"host": ["a", "b'c"]}) == "host IN ('a','b''c')"
+
+
+def test_unknown_macros_and_variables_are_errors():
+    with pytest.raises(ValueError, match="timeFilterX"):
+        expand("$__timeFilterX(time)", RANGE)
+    with pytest.raises(ValueError, match=r"\$nope"):
+        expand("x = $nope", RANGE)
