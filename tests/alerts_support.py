@@ -1,0 +1,137 @@
+"""Synthetic training runs for the alert tests, and running the alert service on them.
+
+A run is a list of pydantic records with explicit record times (one step per second), so
+the rules' decisions do not depend on how fast the test machine is. ``mutate`` injects
+an anomaly by editing a step's field dicts in place.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable
+
+from trainmon.consumers.alerts.config import load_config
+from trainmon.consumers.alerts.service import AlertService
+from trainmon.schemas import GpuRecord, MoeRecord, Record, RunRecord, StepRecord
+
+UTC = timezone.utc
+Mutate = Callable[[int, int, dict, dict, dict], None]  # step, rank, step/gpu/moe fields
+
+
+def synthetic_run(run_id: str, *, t0: float, ranks: int = 1, steps: int = 80, dt: float = 1.0,
+                  seed: int = 0, mutate: Mutate | None = None, end: bool | set[int] = True,
+                  stop_rank_at: dict[int, int] | None = None, first_step: int = 0,
+                  only_ranks: set[int] | None = None) -> list[Record]:
+    """A healthy run: loss falling, grad norm ~1, steady step time, cool busy GPUs, a
+    balanced MoE router. ``stop_rank_at`` {rank: last step} makes ranks go silent;
+    ``first_step`` / ``only_ranks`` produce a later part of a run, for some ranks."""
+    rng = random.Random(seed)
+    stop_rank_at = stop_rank_at or {}
+    out: list[Record] = []
+
+    def env(rank: int, t: float, kind: str, step: int) -> dict:
+        return dict(run_id=run_id, rank=rank, world_size=ranks, host=f"node{rank // 8}",
+                    time=datetime.fromtimestamp(t, UTC), event_id=f"{run_id}-{kind}-{rank}-{step}")
+
+    members = [r for r in range(ranks) if only_ranks is None or r in only_ranks]
+    if first_step == 0:
+        out += [RunRecord(**env(r, t0, "start", 0), event="start") for r in members]
+    for s in range(first_step, steps):
+        t = t0 + (s + 1) * dt
+        for r in members:
+            if s > stop_rank_at.get(r, steps):
+                continue
+            step = dict(step=s, epoch=0.0, step_tokens=4096, duration_ms=1000.0 * (1 + 0.02 * rng.uniform(-1, 1)),
+                        loss=2.0 + math.exp(-s / 40) + 0.002 * rng.uniform(-1, 1),
+                        norm=1.0 + 0.05 * rng.uniform(-1, 1), lr=3e-4 * min(1.0, (s + 1) / 10),
+                        loss_scale=65536.0, num_zeros=1000, num_params=1_000_000, total_steps=1000)
+            gpu = dict(step=s, id=0, clock=1980, max_clock=1980, power=500_000, power_limit=700_000,
+                       temperature=65, temp_slowdown=90, gpu_util=97, mem_util=60, dram_free=20 << 30,
+                       pcie_rx=0, pcie_tx=0, fan=0, throttle="app_clocks" if s % 10 == 0 else "")
+            moe = dict(step=s, aux_loss=0.01, z_loss=0.001, expert_utilization=0.95, load_imbalance=1.3)
+            if mutate is not None:
+                mutate(s, r, step, gpu, moe)
+            out.append(StepRecord(**env(r, t, "step", s), **step))
+            out.append(GpuRecord(**env(r, t, "gpu", s), **gpu))
+            out.append(MoeRecord(**env(r, t, "moe", s), **moe))
+    if end:
+        t_end = t0 + (steps + 1) * dt
+        ending = members if end is True else sorted(end)
+        out += [RunRecord(**env(r, t_end, "end", steps), event="end") for r in ending]
+    return out
+
+
+def send(producer, records: list[Record]) -> None:
+    for record in records:
+        producer.send_record(record)
+    assert producer.flush(30), "records did not reach Kafka"
+
+
+def service_env(bootstrap: str, **alert_settings) -> dict:
+    """Kafka settings plus TRAINMON_ALERT_* overrides, the way an operator would set them."""
+    env = {"TRAINMON_KAFKA_BOOTSTRAP": bootstrap}
+    env.update({f"TRAINMON_ALERT_{k.upper()}": str(v) for k, v in alert_settings.items()})
+    return env
+
+
+def make_service(env: dict, prefix: str, state_dir: Path) -> AlertService:
+    config = load_config(env={**env, "TRAINMON_ALERT_STATE_DIR": str(state_dir)})
+    return AlertService(config, topic_prefix=prefix, env=env)
+
+
+def run_until_idle(env: dict, prefix: str, state_dir: Path, idle_s: float = 1.5) -> AlertService:
+    service = make_service(env, prefix, state_dir)
+    service.run(exit_when_idle_s=idle_s)
+    return service
+
+
+class BackgroundService:
+    """The alert service in a thread, for tests that produce while it runs."""
+
+    def __init__(self, env: dict, prefix: str, state_dir: Path):
+        self.service = make_service(env, prefix, state_dir)
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        try:
+            self.service.run()
+        except BaseException as exc:  # surfaced by stop()
+            self.error = exc
+
+    def __enter__(self) -> "BackgroundService":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self.service.stop.set()
+        self._thread.join(timeout=60)
+        if self.error is not None:
+            raise self.error
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def t0_now(steps: int = 80, dt: float = 1.0) -> float:
+    """A start time such that a run of ``steps`` ends about now."""
+    return time.time() - (steps + 1) * dt
+
+
+def past_t0(seconds_ago: float = 900.0) -> float:
+    return time.time() - seconds_ago
+

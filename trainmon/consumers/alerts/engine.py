@@ -1,0 +1,185 @@
+"""The rules engine: records in, AlertRecords out. No Kafka here, so it can be driven by a
+test or a benchmark directly, and its state is plain JSON for a checkpoint.
+
+    engine = AlertEngine(load_config())
+    alerts = engine.process(record)      # per record, record time only
+    alerts += engine.tick(time.time())   # rules that notice missing records (mismatch, stall)
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, defaultdict
+
+from ...schemas import AlertRecord, Record
+from .config import AlertsConfig
+from .incidents import IncidentBook
+from .ranks import RankMismatchRule, StalledRule, StragglerRule, TickRule
+from .rules import (DeadGradientsRule, ExplodingGradRule, GpuMemoryLowRule, GpuTemperatureRule,
+                    GpuThrottleRule, GpuUnderutilizedRule, GradSpikeRule, IterationTimeSpikeRule,
+                    LossPlateauRule, LossScaleCollapseRule, LossSpikeRule, LrZeroRule,
+                    MoeAuxLossRule, MoeExpertUtilizationRule, MoeLoadImbalanceRule, MoeZLossRule,
+                    NonFiniteRule, NumZerosRule, ThroughputDropRule)
+from .state import RunState
+
+RULE_CLASSES = {
+    "grad_spike": GradSpikeRule,
+    "non_finite": NonFiniteRule,
+    "exploding_grad": ExplodingGradRule,
+    "dead_gradients": DeadGradientsRule,
+    "loss_spike": LossSpikeRule,
+    "loss_plateau": LossPlateauRule,
+    "rank_mismatch": RankMismatchRule,
+    "straggler": StragglerRule,
+    "iteration_time_spike": IterationTimeSpikeRule,
+    "throughput_drop": ThroughputDropRule,
+    "lr_zero": LrZeroRule,
+    "loss_scale_collapse": LossScaleCollapseRule,
+    "num_zeros": NumZerosRule,
+    "gpu_temperature": GpuTemperatureRule,
+    "gpu_throttle": GpuThrottleRule,
+    "gpu_underutilized": GpuUnderutilizedRule,
+    "gpu_memory_low": GpuMemoryLowRule,
+    "moe_aux_loss": MoeAuxLossRule,
+    "moe_z_loss": MoeZLossRule,
+    "moe_expert_utilization": MoeExpertUtilizationRule,
+    "moe_load_imbalance": MoeLoadImbalanceRule,
+    "stalled": StalledRule,
+}
+INPUT_KINDS = ("step", "moe", "gpu", "run")  # the record kinds the rules read
+MAX_TOMBSTONES = 10_000
+STATE_VERSION = 1
+
+
+class AlertEngine:
+    def __init__(self, config: AlertsConfig):
+        self.config = config
+        self.book = IncidentBook(config.rate_limit_per_minute,
+                                 whole_run_rules=[n for n, c in RULE_CLASSES.items() if c.whole_run])
+        self.rules = {name: cls(name, getattr(config.rules, name), self.book)
+                      for name, cls in RULE_CLASSES.items() if getattr(config.rules, name).enabled}
+        self._by_kind: dict[str, list] = defaultdict(list)
+        for rule in self.rules.values():
+            for kind in rule.kinds:
+                self._by_kind[kind].append(rule)
+        self._tick_rules = [r for r in self.rules.values() if isinstance(r, TickRule)]
+        self.runs: dict[str, RunState] = {}
+        # Runs whose every rank ended, with when: late records of theirs change nothing.
+        self.ended_runs: OrderedDict[str, float] = OrderedDict()
+        self.processed = 0
+
+    @property
+    def warming_up(self) -> bool:
+        return not self.book.emit
+
+    @warming_up.setter
+    def warming_up(self, value: bool) -> None:
+        """While warming up (replaying records already judged before a restart) the rules
+        update their windows but no incident fires or resolves."""
+        self.book.emit = not value
+
+    def process(self, record: Record) -> list[AlertRecord]:
+        self.processed += 1
+        kind = record.kind
+        t = record.time.timestamp()
+        run = self.runs.get(record.run_id)
+        if run is None:
+            ended = self.ended_runs.get(record.run_id)
+            if ended is not None and t <= ended:
+                return []
+            run = self.runs[record.run_id] = RunState(record.run_id, record.world_size)
+        rs = run.ranks.get(record.rank)
+        if rs is None:
+            rs = run.rank(record.rank, record.host, record.world_size)
+        if t > run.clock:
+            run.clock = t
+        if kind == "run":
+            return self._lifecycle(record, t, run, rs)
+        if rs.ended and t > rs.ended_at:
+            run.set_ended(rs, False)  # records after its end: the rank is back (resumed)
+            run.pending_ends.discard(rs.rank)
+        if kind == "step":
+            run.on_step(rs, record.step, t, record.duration_ms)
+        out: list[AlertRecord] = []
+        for rule in self._by_kind.get(kind, ()):
+            found = rule.observe(record, t, run, rs)
+            if found:
+                if isinstance(found, list):
+                    out.extend(found)
+                else:
+                    out.append(found)
+        return out
+
+    def tick(self, now: float | None = None) -> list[AlertRecord]:
+        """Evaluate the rules that look for missing records. ``now`` (wall clock, epoch s)
+        moves a live run's clock forward past its last record; None: record time only."""
+        out: list[AlertRecord] = []
+        cfg = self.config
+        for run in list(self.runs.values()):
+            if run.pending_ends:
+                out.extend(self._apply_ends(run))
+                if run.run_id not in self.runs:
+                    continue
+            clock = run.clock
+            if now is not None:
+                if now - run.clock > cfg.live_run_max_age_s:
+                    out.extend(self._forget_run(run, run.clock + cfg.live_run_max_age_s,
+                                                f"no records for {cfg.live_run_max_age_s / 3600:g} h"))
+                    continue
+                clock = max(clock, now - cfg.wall_clock_slack_s)
+            for rule in self._tick_rules:
+                found = rule.tick(clock, run)
+                if found:
+                    out.append(found)
+        return out
+
+    def _lifecycle(self, record, t: float, run: RunState, rs) -> list[AlertRecord]:
+        if record.world_size:
+            run.world_size = record.world_size
+        if record.event == "start":
+            run.set_ended(rs, False)
+            run.pending_ends.discard(rs.rank)
+            return []
+        # Other topics may still hold this rank's last records: the end takes effect on
+        # the next tick, which the service runs only once every partition is read.
+        run.set_ended(rs, True)
+        rs.ended_at = t
+        run.pending_ends.add(rs.rank)
+        run.end_status = record.status
+        return []
+
+    def _apply_ends(self, run: RunState) -> list[AlertRecord]:
+        out: list[AlertRecord] = []
+        for rank in sorted(run.pending_ends):
+            rs = run.ranks[rank]
+            out.extend(self.book.end_rank(run.run_id, rank, rs.ended_at, rs.last_step))
+        run.pending_ends.clear()
+        if run.all_ended():
+            end = max(rs.ended_at for rs in run.ranks.values())
+            out.extend(self._forget_run(run, end, f"run ended ({run.end_status})"))
+        return out
+
+    def _forget_run(self, run: RunState, t: float, reason: str) -> list[AlertRecord]:
+        out = self.book.end_run(run.run_id, t, run.max_step if run.max_step >= 0 else None, reason)
+        del self.runs[run.run_id]
+        self.ended_runs[run.run_id] = max(run.clock, t)
+        while len(self.ended_runs) > MAX_TOMBSTONES:
+            self.ended_runs.popitem(last=False)
+        return out
+
+    # -- checkpoint -----------------------------------------------------------------------
+
+    def dump(self) -> dict:
+        return {"version": STATE_VERSION, "runs": [run.dump(self.rules) for run in self.runs.values()],
+                "ended_runs": list(self.ended_runs.items()), "book": self.book.dump(),
+                "processed": self.processed}
+
+    def load(self, state: dict) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(f"engine state version {state.get('version')!r}, expected {STATE_VERSION}")
+        self.runs = {}
+        for data in state["runs"]:
+            run = RunState.load(data, self.rules)
+            self.runs[run.run_id] = run
+        self.ended_runs = OrderedDict((r, t) for r, t in state["ended_runs"])
+        self.book.load(state["book"])
+        self.processed = state.get("processed", 0)

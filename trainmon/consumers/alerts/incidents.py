@@ -1,0 +1,288 @@
+"""Incidents: a condition observed bad fires once, observed healthy again resolves once.
+
+An incident is keyed by (rule, run, subject): subject "run" for a condition of the whole
+run (loss, grad norm, mismatch), "rank3" or "rank3/gpu0" for one rank or one GPU. Rules
+report observations; the book turns them into firing / resolved AlertRecords, debounced
+(``fire_after``, ``fire_after_s``, ``clear_after``), de-duplicated (one open incident per
+key), cooled down after resolving (``cooldown_s``) and rate limited per run.
+
+Every state change of an incident is an AlertRecord, and ``apply`` is the only place that
+changes it, so the book can be rebuilt by replaying the alert topic. Ids are deterministic:
+``<run>/<rule>/<subject>#<n>`` for the n-th incident of a key, and the event id is a hash
+of the incident id and state, so an alert emitted again after a restart is recognizably
+the same event.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+from collections import deque
+from datetime import datetime, timezone
+from typing import Iterable
+
+from ...schemas import AlertRecord
+from .config import RuleConfig
+
+UTC = timezone.utc
+WHOLE_RUN = -1  # rank key of observations made for the run as a whole (mismatch, stall)
+Key = tuple  # (rule, run_id, subject)
+
+
+def incident_id(run_id: str, rule: str, subject: str, ordinal: int) -> str:
+    return f"{run_id}/{rule}/{subject}#{ordinal}"
+
+
+def event_id(incident: str, state: str) -> str:
+    return f"alert-{hashlib.sha256(incident.encode()).hexdigest()[:32]}-{state}"
+
+
+def parse_incident_id(alert: AlertRecord) -> tuple[Key, int] | None:
+    prefix = f"{alert.run_id}/{alert.rule}/"
+    if not alert.incident_id.startswith(prefix):
+        return None
+    subject, _, ordinal = alert.incident_id[len(prefix):].rpartition("#")
+    if not subject or not ordinal.isdigit():
+        return None
+    return (alert.rule, alert.run_id, subject), int(ordinal)
+
+
+class Streak:
+    __slots__ = ("bad", "since", "good")
+
+    def __init__(self, bad: int = 0, since: float | None = None, good: int = 0):
+        self.bad = bad
+        self.since = since
+        self.good = good
+
+
+class Incident:
+    __slots__ = ("alert", "bad", "ranks", "opened_at")
+
+    def __init__(self, alert: AlertRecord, bad: Iterable[int], ranks: Iterable[int]):
+        self.alert = alert  # the firing event
+        self.bad = set(bad)  # rank keys observed bad and not yet healthy again
+        self.ranks = set(ranks)  # every rank involved, for the resolved event
+        self.opened_at = alert.time.timestamp()
+
+
+class KeyState:
+    __slots__ = ("ordinal", "open", "closed_at", "closed_step", "streaks")
+
+    def __init__(self):
+        self.ordinal = 0
+        self.open: Incident | None = None
+        self.closed_at: float | None = None
+        self.closed_step: int | None = None
+        self.streaks: dict[int, Streak] = {}
+
+
+class IncidentBook:
+    def __init__(self, rate_limit_per_minute: int, whole_run_rules: Iterable[str] = ()):
+        self.rate_limit = rate_limit_per_minute
+        self.whole_run_rules = set(whole_run_rules)
+        self.keys: dict[Key, KeyState] = {}
+        self.by_run: dict[str, set[Key]] = {}
+        self.fired: dict[str, deque[float]] = {}
+        self.suppressed = 0  # firings held back by the rate limit
+        self.emit = True  # False while warming up: streaks update, incidents stay as they are
+        self.host = socket.gethostname()
+
+    # -- observations ------------------------------------------------------------------
+
+    def bad(self, cfg: RuleConfig, rule: str, run_id: str, subject: str, rank_key: int, *,
+            step: int | None, time: float, value: float | None, threshold: float | None,
+            message: str, world_size: int, host: str, ranks: list[int] | None = None,
+            check_stale: bool = True) -> AlertRecord | None:
+        key = (rule, run_id, subject)
+        ks = self.keys.get(key)
+        if ks is None:
+            ks = self._new_key(key)
+        inc = ks.open
+        if inc is None and check_stale and step is not None and ks.closed_step is not None \
+                and step <= ks.closed_step:
+            return None  # a late record from before the incident resolved
+        st = ks.streaks.get(rank_key)
+        if st is None:
+            st = ks.streaks[rank_key] = Streak()
+        st.good = 0
+        st.bad += 1
+        if st.since is None:
+            st.since = time
+        ranks = [rank_key] if ranks is None else ranks
+        if inc is not None:
+            inc.bad.add(rank_key)
+            inc.ranks.update(ranks)
+            return None
+        if not self.emit or st.bad < cfg.fire_after or time - st.since < cfg.fire_after_s:
+            return None
+        if ks.closed_at is not None and time - ks.closed_at < cfg.cooldown_s:
+            return None
+        if not self._within_rate(run_id, time):
+            self.suppressed += 1
+            return None
+        iid = incident_id(run_id, rule, subject, ks.ordinal + 1)
+        alert = AlertRecord(
+            run_id=run_id, rank=ranks[0] if ranks else 0, world_size=world_size, host=host,
+            time=_dt(time), event_id=event_id(iid, "firing"), rule=rule, severity=cfg.severity,
+            state="firing", incident_id=iid, ranks=sorted(ranks), step=step, value=value,
+            threshold=threshold, message=message)
+        self.apply(alert)
+        ks.open.bad = {rank_key}
+        return alert
+
+    def good(self, cfg: RuleConfig, rule: str, run_id: str, subject: str, rank_key: int, *,
+             step: int | None, time: float, value: float | None = None,
+             check_stale: bool = True) -> AlertRecord | None:
+        ks = self.keys.get((rule, run_id, subject))
+        if ks is None:
+            return None
+        inc = ks.open
+        if inc is None:
+            ks.streaks.pop(rank_key, None)
+            return None
+        if check_stale and step is not None and inc.alert.step is not None and step < inc.alert.step:
+            return None  # a late record from before the incident fired
+        st = ks.streaks.get(rank_key)
+        if st is None:
+            st = ks.streaks[rank_key] = Streak()
+        st.bad = 0
+        st.since = None
+        st.good += 1
+        if rank_key in inc.bad and st.good >= cfg.clear_after:
+            inc.bad.discard(rank_key)
+        if inc.bad or not self.emit:
+            return None
+        return self._resolve(ks, inc, step, time, value, "healthy again")
+
+    # -- run lifecycle ------------------------------------------------------------------
+
+    def end_rank(self, run_id: str, rank: int, time: float, step: int | None) -> list[AlertRecord]:
+        """A rank finished: it is no longer bad, and its own incidents resolve."""
+        out = []
+        own = (f"rank{rank}", f"rank{rank}/")
+        for key in list(self.by_run.get(run_id, ())):
+            ks = self.keys[key]
+            ks.streaks.pop(rank, None)
+            inc = ks.open
+            if inc is None:
+                continue
+            if key[2] == own[0] or key[2].startswith(own[1]):
+                inc.bad.clear()
+            else:
+                inc.bad.discard(rank)
+            if not inc.bad and self.emit:
+                out.append(self._resolve(ks, inc, step, time, None, f"rank {rank} finished"))
+        return out
+
+    def end_run(self, run_id: str, time: float, step: int | None, reason: str) -> list[AlertRecord]:
+        out = []
+        for key in list(self.by_run.get(run_id, ())):
+            ks = self.keys[key]
+            ks.streaks.clear()
+            if ks.open is not None and self.emit:
+                out.append(self._resolve(ks, ks.open, step, time, None, reason))
+        return out
+
+    def open_incidents(self, run_id: str | None = None) -> list[AlertRecord]:
+        keys = self.keys if run_id is None else self.by_run.get(run_id, ())
+        return [self.keys[k].open.alert for k in keys if self.keys[k].open is not None]
+
+    # -- the one state transition ------------------------------------------------------
+
+    def apply(self, alert: AlertRecord) -> None:
+        """Take a firing / resolved event into account (ours, or replayed from the topic)."""
+        parsed = parse_incident_id(alert)
+        if parsed is None:
+            return  # not an incident of this engine's making
+        key, ordinal = parsed
+        ks = self.keys.get(key)
+        if ks is None:
+            ks = self._new_key(key)
+        ks.ordinal = max(ks.ordinal, ordinal)
+        t = alert.time.timestamp()
+        if alert.state == "firing":
+            if ks.open is None or ks.open.alert.incident_id != alert.incident_id:
+                bad = [WHOLE_RUN] if key[0] in self.whole_run_rules else (alert.ranks or [alert.rank])
+                ks.open = Incident(alert, bad, alert.ranks)
+                window = self.fired.setdefault(alert.run_id, deque())
+                window.append(t)
+        elif ks.open is not None and ks.open.alert.incident_id == alert.incident_id:
+            ks.open = None
+            ks.closed_at = t
+            ks.closed_step = alert.step
+            ks.streaks.clear()
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _new_key(self, key: Key) -> KeyState:
+        ks = self.keys[key] = KeyState()
+        self.by_run.setdefault(key[1], set()).add(key)
+        return ks
+
+    def _within_rate(self, run_id: str, time: float) -> bool:
+        window = self.fired.get(run_id)
+        if window is None:
+            return True
+        while window and window[0] <= time - 60.0:
+            window.popleft()
+        return len(window) < self.rate_limit
+
+    def _resolve(self, ks: KeyState, inc: Incident, step, time: float, value, reason: str) -> AlertRecord:
+        fired = inc.alert
+        time = max(time, inc.opened_at)
+        where = f" at step {step}" if step is not None else ""
+        message = (f"resolved ({reason}){where}, {_duration(time - inc.opened_at)} after it fired"
+                   f"{f' at step {fired.step}' if fired.step is not None else ''}: {fired.message}")
+        alert = AlertRecord(
+            run_id=fired.run_id, rank=fired.rank, world_size=fired.world_size, host=fired.host,
+            time=_dt(time), event_id=event_id(fired.incident_id, "resolved"), rule=fired.rule,
+            severity=fired.severity, state="resolved", incident_id=fired.incident_id,
+            ranks=sorted(inc.ranks), step=step, value=value, threshold=fired.threshold,
+            message=message)
+        self.apply(alert)
+        return alert
+
+    # -- checkpoint ---------------------------------------------------------------------
+
+    def dump(self) -> dict:
+        keys = []
+        for (rule, run_id, subject), ks in self.keys.items():
+            if not ks.ordinal and not ks.streaks:
+                continue
+            keys.append({
+                "key": [rule, run_id, subject], "ordinal": ks.ordinal, "closed_at": ks.closed_at,
+                "closed_step": ks.closed_step,
+                "streaks": [[rk, s.bad, s.since, s.good] for rk, s in ks.streaks.items()],
+                "open": None if ks.open is None else {
+                    "alert": ks.open.alert.model_dump(mode="json"), "bad": sorted(ks.open.bad),
+                    "ranks": sorted(ks.open.ranks)},
+            })
+        return {"keys": keys, "fired": {r: list(w) for r, w in self.fired.items() if w},
+                "suppressed": self.suppressed}
+
+    def load(self, state: dict) -> None:
+        for item in state.get("keys", []):
+            ks = self._new_key(tuple(item["key"]))
+            ks.ordinal = item["ordinal"]
+            ks.closed_at = item["closed_at"]
+            ks.closed_step = item["closed_step"]
+            ks.streaks = {rk: Streak(bad, since, good) for rk, bad, since, good in item["streaks"]}
+            if item["open"]:
+                o = item["open"]
+                ks.open = Incident(AlertRecord.model_validate(o["alert"]), o["bad"], o["ranks"])
+        self.fired = {r: deque(w) for r, w in state.get("fired", {}).items()}
+        self.suppressed = state.get("suppressed", 0)
+
+
+def _dt(t: float) -> datetime:
+    return datetime.fromtimestamp(t, UTC)
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"

@@ -1,0 +1,140 @@
+"""What the engine remembers per run and per rank: latest steps, when each step was first
+reached, and each rule's own per-rank state."""
+
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+from .stats import RollingMedian
+
+MAX_SEEN_STEPS = 100_000
+
+
+class RankState:
+    __slots__ = ("rank", "host", "world_size", "last_step", "last_time", "ended", "ended_at", "slots")
+
+    def __init__(self, rank: int, host: str, world_size: int):
+        self.rank = rank
+        self.host = host
+        self.world_size = world_size
+        self.last_step: int | None = None
+        self.last_time: float | None = None
+        self.ended = False
+        self.ended_at = 0.0  # record time of its run end
+        self.slots: dict[str, Any] = {}
+
+    def slot(self, rule) -> Any:
+        state = self.slots.get(rule.name)
+        if state is None:
+            state = self.slots[rule.name] = rule.new_state()
+        return state
+
+
+class RunState:
+    def __init__(self, run_id: str, world_size: int):
+        self.run_id = run_id
+        self.world_size = world_size
+        self.ranks: dict[int, RankState] = {}
+        self.clock = 0.0  # latest record time seen for this run
+        self.max_step = -1
+        self.last_progress: float | None = None  # record time max_step last grew
+        # Steps in the order the run first reached them, with that record time: how long a
+        # rank has been behind is "now" minus when the run first passed its last step.
+        self.seen_steps: list[int] = []
+        self.seen_times: list[float] = []
+        self.step_seconds = RollingMedian(51)
+        self.slots: dict[str, Any] = {}  # run-wide rule state
+        self.ended_count = 0
+        self.pending_ends: set[int] = set()  # ranks whose end the incidents have not seen yet
+        self.end_status: str | None = None
+
+    def rank(self, rank: int, host: str, world_size: int) -> RankState:
+        rs = self.ranks.get(rank)
+        if rs is None:
+            rs = self.ranks[rank] = RankState(rank, host, world_size)
+        return rs
+
+    def set_ended(self, rs: RankState, ended: bool) -> None:
+        if rs.ended != ended:
+            self.ended_count += 1 if ended else -1
+            rs.ended = ended
+
+    def reporting_ranks(self) -> int:
+        """Ranks still expected to report each step: an end not yet applied may still have
+        records of that rank behind it on other topics."""
+        return len(self.ranks) - self.ended_count + len(self.pending_ends)
+
+    def all_ended(self) -> bool:
+        return self.ended_count == len(self.ranks)
+
+    def active_ranks(self) -> list[RankState]:
+        return [rs for rs in self.ranks.values() if not rs.ended and rs.last_step is not None]
+
+    def on_step(self, rs: RankState, step: int, t: float, duration_ms: float) -> None:
+        if rs.last_step is not None and step < rs.last_step:
+            self.rewind()  # resumed from a checkpoint: step counts start over
+        rs.last_step = step
+        rs.last_time = t
+        if step > self.max_step:
+            self.max_step = step
+            self.last_progress = t
+            self.seen_steps.append(step)
+            self.seen_times.append(t)
+            self.step_seconds.push(duration_ms / 1000.0)
+            if len(self.seen_steps) > MAX_SEEN_STEPS:
+                del self.seen_steps[:MAX_SEEN_STEPS // 2]
+                del self.seen_times[:MAX_SEEN_STEPS // 2]
+
+    def rewind(self) -> None:
+        self.max_step = -1
+        self.seen_steps.clear()
+        self.seen_times.clear()
+        for rs in self.ranks.values():
+            rs.last_step = None
+
+    def behind_since(self, step: int) -> float:
+        """Record time at which the run first reported a step after ``step``."""
+        i = bisect.bisect_right(self.seen_steps, step)
+        return self.seen_times[i] if i < len(self.seen_times) else self.clock
+
+    def forget_steps_up_to(self, step: int) -> None:
+        i = bisect.bisect_right(self.seen_steps, step)
+        if i:
+            del self.seen_steps[:i]
+            del self.seen_times[:i]
+
+    # -- checkpoint ---------------------------------------------------------------------
+
+    def dump(self, rules: dict) -> dict:
+        return {
+            "run_id": self.run_id, "world_size": self.world_size, "clock": self.clock,
+            "max_step": self.max_step, "last_progress": self.last_progress,
+            "seen": [self.seen_steps, self.seen_times], "step_seconds": self.step_seconds.dump(),
+            "pending_ends": sorted(self.pending_ends), "end_status": self.end_status,
+            "slots": {name: rules[name].dump_run_state(s) for name, s in self.slots.items() if name in rules},
+            "ranks": [{
+                "rank": rs.rank, "host": rs.host, "world_size": rs.world_size,
+                "last_step": rs.last_step, "last_time": rs.last_time, "ended": rs.ended,
+                "ended_at": rs.ended_at,
+                "slots": {name: rules[name].dump_state(s) for name, s in rs.slots.items() if name in rules},
+            } for rs in self.ranks.values()],
+        }
+
+    @classmethod
+    def load(cls, data: dict, rules: dict) -> "RunState":
+        run = cls(data["run_id"], data["world_size"])
+        run.clock = data["clock"]
+        run.max_step = data["max_step"]
+        run.last_progress = data["last_progress"]
+        run.seen_steps, run.seen_times = data["seen"]
+        run.step_seconds = RollingMedian(51, data["step_seconds"])
+        run.pending_ends = set(data["pending_ends"])
+        run.end_status = data["end_status"]
+        run.slots = {n: rules[n].load_run_state(s) for n, s in data["slots"].items() if n in rules}
+        for r in data["ranks"]:
+            rs = run.rank(r["rank"], r["host"], r["world_size"])
+            rs.last_step, rs.last_time, rs.ended_at = r["last_step"], r["last_time"], r["ended_at"]
+            run.set_ended(rs, r["ended"])
+            rs.slots = {n: rules[n].load_state(s) for n, s in r["slots"].items() if n in rules}
+        return run
