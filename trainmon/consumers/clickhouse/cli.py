@@ -138,11 +138,12 @@ def _delete_group(group: str) -> None:
     try:
         admin = KafkaAdminClient(**kafka_config.client_settings())
         try:
-            admin.delete_consumer_groups([group])
+            admin.delete_groups([group])
         finally:
             admin.close()
-    except (KafkaError, OSError):
-        pass  # a leftover empty group is harmless
+    except (KafkaError, OSError) as exc:
+        print(f"trainmon replay: could not delete the consumer group {group} (harmless): {exc}",
+              file=sys.stderr)
 
 
 def clickhouse_main(argv: list[str] | None = None) -> int:
