@@ -16,7 +16,7 @@ from trainmon.consumers.clickhouse.readback import record_from_row
 from trainmon.schemas import (RECORD_TYPES, AlertRecord, AllocatorRecord, DatasetRecord, EvalRecord,
                               GpuModelRecord, GpuRecord, MoeRecord, RunRecord, StepRecord, encode)
 
-from .clickhouse_service import ClickHouseService
+from .clickhouse_service import ClickHouseService, run_trainmon
 from .conftest import read_topic
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=timezone.utc)
@@ -86,6 +86,18 @@ def test_every_kind_lands_with_every_field_intact(bootstrap, topic_prefix, make_
         assert service.rows("SELECT isNaN(loss) AS a, isInfinite(norm) AS b, lr < 0 AS c, "
                             "isNull(params_norm) AS d FROM trainmon.step WHERE step = 7") == \
             [{"a": 1, "b": 1, "c": 1, "d": 0}]
+
+        # trainmon sql from another process while the service holds the chDB directory.
+        path = str(service.path)
+        csv = run_trainmon(bootstrap, "sql", "--path", path, "-f", "csv",
+                           "SELECT step, loss, timers FROM step ORDER BY step")
+        assert csv.returncode == 0, csv.stderr
+        assert csv.stdout == '"step","loss","timers"\n7,nan,"{\'fwd\':100.25,\'bwd\':inf}"\n8,2.25,"{}"\n'
+        table = run_trainmon(bootstrap, "sql", "--path", path, "SELECT step, loss FROM step ORDER BY step")
+        assert table.returncode == 0, table.stderr
+        assert "─step─" in table.stdout and "nan" in table.stdout and "2.25" in table.stdout
+        bad = run_trainmon(bootstrap, "sql", "--path", path, "SELECT nope FROM step")
+        assert bad.returncode == 1 and "nope" in bad.stderr and "Traceback" not in bad.stderr
     finally:
         assert service.stop() == 0
 
