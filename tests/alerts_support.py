@@ -7,6 +7,7 @@ an anomaly by editing a step's field dicts in place.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import threading
@@ -36,8 +37,9 @@ def synthetic_run(run_id: str, *, t0: float, ranks: int = 1, steps: int = 80, dt
 
     def env(rank: int, t: float, kind: str, step: int) -> dict:
         return dict(run_id=run_id, rank=rank, world_size=ranks, host=f"node{rank // 8}",
-                    time=datetime.fromtimestamp(t, UTC), event_id=f"{run_id}-{kind}-{rank}-{step}")
+                    time=datetime.fromtimestamp(t, UTC), event_id=f"{run_key}-{kind}-{rank}-{step}")
 
+    run_key = hashlib.sha1(run_id.encode()).hexdigest()[:12]
     members = [r for r in range(ranks) if only_ranks is None or r in only_ranks]
     if first_step == 0:
         out += [RunRecord(**env(r, t0, "start", 0), event="start") for r in members]
