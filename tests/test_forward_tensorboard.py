@@ -8,7 +8,7 @@ import pytest
 
 from trainmon.consumers.tensorboard_sink import STATE_DIR, TensorBoardSink, main
 
-from .forward_helpers import (CONFIG, assert_series, drain, expected_series, flat, log_run,
+from .forward_helpers import (CONFIG, assert_series, drain, expected_series, log_run,
                               make_forwarder)
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")

@@ -15,7 +15,6 @@ Two spellings of a name, because the backends differ in how they tell series apa
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from ..schemas import (AllocatorRecord, EvalRecord, GpuRecord, MoeRecord, Record, StepRecord)
@@ -103,7 +102,3 @@ def stream_key(record: Record) -> str:
 def _fields(record: Record, names: tuple[str, ...], prefix: str, subset: str = "train") -> list[Scalar]:
     return [Scalar(prefix + name, float(value), subset) for name in names
             if (value := getattr(record, name)) is not None]
-
-
-def is_finite(value: float) -> bool:
-    return math.isfinite(value)
