@@ -131,3 +131,19 @@ def test_engine_never_fails_on_odd_but_valid_records():
     run_engine(engine, synthetic_run("odd", t0=1.7e9, ranks=3, steps=30, mutate=odd))
     engine.tick(time.time())
     assert engine.runs == {}  # the run ended and was forgotten
+
+
+def test_docs_table_lists_every_rule_with_its_parameters_and_debounce():
+    from pathlib import Path
+
+    from trainmon.consumers.alerts.config import RuleConfig, Rules
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "alerts.md").read_text()
+    rows = {line.split("`")[1]: line for line in doc.splitlines() if line.startswith("| `")}
+    for name in RULE_NAMES:
+        cfg = getattr(Rules(), name)
+        row = rows[name]
+        assert f"| {cfg.severity} |" in row, name
+        assert f"| {cfg.fire_after} / {cfg.clear_after} / {cfg.cooldown_s:g} s |" in row, name
+        for param in set(type(cfg).model_fields) - set(RuleConfig.model_fields):
+            assert f"`{param}`" in row, (name, param)

@@ -58,6 +58,8 @@ class Rule:
 
     def good(self, run: RunState, rank: RankState, *, step, t, value=None,
              subject: str = RUN) -> AlertRecord | None:
+        if (self.name, run.run_id, subject) not in self.book.keys:
+            return None  # the common case: nothing pending, nothing open
         return self.book.good(self.cfg, self.name, run.run_id, subject, rank.rank, step=step,
                               time=t, value=value)
 
