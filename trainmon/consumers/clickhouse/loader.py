@@ -10,9 +10,9 @@ and ``trainmon replay``.
   ClickHouse instead of duplicated.
 - Commit to Kafka after the inserts (for lag monitoring and for partitions that never
   had a row, e.g. only dead letters).
-- On revocation, buffered rows of the revoked partitions are dropped, not written: their
-  next owner reads them again from ``max(_offset) + 1``. Inserts and revocations take one
-  lock, so no batch of a partition lands after it was handed over.
+- On revocation, buffered rows of the revoked partitions are written before the hand-over
+  (inserts and revocations take one lock, so no batch of a partition lands after it was
+  handed over); the next owner starts from ``max(_offset) + 1``.
 - A record ClickHouse cannot take (e.g. an int beyond Int64) is dead-lettered alone.
 
 kafka-python 3 runs rebalance callbacks on its IO thread, where blocking Kafka calls
@@ -56,8 +56,10 @@ class Loader:
         self.inserts = 0
         self.insert_retries = 0
         self._dead_letters_committed = 0
+        self._inserted_since_commit = False
         self._lock = threading.RLock()
         self._owned: set[TopicPartition] = set()
+        self._rewind: dict[TopicPartition, int] = {}
         self.stream = RecordStream(group_id, topic_prefix=topic_prefix, env=env,
                                    on_assign=self._on_assign, on_revoke=self._on_revoke,
                                    **(consumer_settings or {}))
@@ -71,19 +73,28 @@ class Loader:
     def _on_assign(self, partitions: list[TopicPartition]) -> None:
         with self._lock:
             stored = stored_positions(self.client, self.database, partitions, self.stream.prefix)
-            for tp, position in stored.items():
-                self.stream.consumer.seek(tp, position)
+            for tp in partitions:
+                rewind = self._rewind.pop(tp, None)
+                position = stored.get(tp, rewind)
+                if position is not None:
+                    self.stream.consumer.seek(tp, position)
             self._owned.update(partitions)
         log.info("assigned %d partitions; %d resume from ClickHouse offsets",
                  len(partitions), len(stored))
 
     def _on_revoke(self, partitions: list[TopicPartition]) -> None:
+        # Hand the partitions over fully written. No Kafka commit here (refused on the IO
+        # thread); the next owner starts from the offsets stored in ClickHouse anyway.
         with self._lock:
             self._owned.difference_update(partitions)
-            dropped = self.buffers.take(only=set(partitions))
-        if dropped:
-            log.info("revoked: %d buffered rows left for the partitions' next owner",
-                     sum(len(v) for v in dropped.values()))
+            for tp, messages in self.buffers.take(only=set(partitions)).items():
+                try:
+                    self._insert_partition(tp, messages, attempts=3)
+                except ClickHouseError as exc:
+                    # Not written: read them again should the partition come back to us.
+                    self._rewind[tp] = messages[0].offset
+                    log.warning("revoked %s[%d] with %d rows not written (%s)", tp.topic,
+                                tp.partition, len(messages), exc)
 
     # -- writing --------------------------------------------------------------------
 
@@ -98,14 +109,21 @@ class Loader:
             for tp, messages in batches.items():
                 self._insert_partition(tp, messages)
         # Outside the lock: a commit waits on the IO thread, which may be in _on_revoke.
-        if batches or self.dead_letters > self._dead_letters_committed:
+        if self._commit_due():
             try:
+                dead_letters = self.dead_letters
+                self._inserted_since_commit = False
                 self.stream.commit_polled()
-                self._dead_letters_committed = self.dead_letters
+                self._dead_letters_committed = dead_letters
             except KafkaError as exc:  # e.g. a rebalance under way; ClickHouse holds the truth
+                self._inserted_since_commit = True
                 log.warning("Kafka commit failed (will commit again later): %s", exc)
 
-    def _insert_partition(self, tp: TopicPartition, messages: list[Message]) -> None:
+    def _commit_due(self) -> bool:
+        return self._inserted_since_commit or self.dead_letters > self._dead_letters_committed
+
+    def _insert_partition(self, tp: TopicPartition, messages: list[Message],
+                          attempts: int | None = None) -> None:
         token = f"{tp.topic}-{tp.partition}-{messages[0].offset}-{messages[-1].offset}"
         attempt = 0
         while True:
@@ -120,7 +138,7 @@ class Loader:
             except ClickHouseError as exc:
                 attempt += 1
                 self.insert_retries += 1
-                if self.stop.is_set() and attempt >= 3:
+                if attempt >= (attempts or (3 if self.stop.is_set() else 1 << 30)):
                     raise
                 delay = min(30.0, 0.2 * 2 ** attempt)
                 log.warning("insert %s failed (attempt %d), retrying in %.1fs: %s",
@@ -135,6 +153,7 @@ class Loader:
                      database=self.database, dedup_token=token,
                      kafka=(tp.topic, tp.partition, [m.offset for m in messages]))
         self.rows_inserted += len(messages)
+        self._inserted_since_commit = True
 
     def _insert_one_by_one(self, tp: TopicPartition, messages: list[Message]) -> None:
         for m in messages:
@@ -156,8 +175,7 @@ class Loader:
                 wait = min(0.5, self.buffers.seconds_until_due())
                 room = max(1, self.buffers.max_rows - self.buffers.rows)
                 self._buffer(self.stream.poll(timeout_ms=int(wait * 1000), max_records=room))
-                if self.buffers.due() or (not self.buffers.rows and
-                                          self.dead_letters > self._dead_letters_committed):
+                if self.buffers.due() or (not self.buffers.rows and self._commit_due()):
                     self.flush_and_commit()
                 if until is not None and not self.buffers.rows and until(self):
                     break

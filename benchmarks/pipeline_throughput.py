@@ -1,0 +1,187 @@
+"""Producers -> Kafka -> ClickHouse: sustained records/s and log-call-to-row latency.
+
+    python benchmarks/pipeline_throughput.py [--records 300000] [--producers 2]
+
+Runs a real broker (its own, unless TRAINMON_KAFKA_BOOTSTRAP is set), the ClickHouse
+service as its own process on a fresh chDB directory (``trainmon consume clickhouse``),
+and producer processes that log step records through the public Producer API.
+
+1. burst: every producer logs its share as fast as it can; sustained records/s is the
+   record count over the time from the first log call to the last row being visible.
+2. paced: producers log at a fixed total rate (default 5,000/s, a busy 16-rank job);
+   latency per record is the row's ``_inserted_at`` (set by ClickHouse when the insert
+   is written) minus its ``time`` (set at the log call), p50 / p99 over all records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from trainmon import topics  # noqa: E402
+from trainmon.broker import Broker  # noqa: E402
+from trainmon.consumers.clickhouse.sql_endpoint import find_endpoint, query_endpoint  # noqa: E402
+
+
+def produce(bootstrap: str, prefix: str, run_id: str, rank: int, count: int, rate: float,
+            start: mp.Event, results: mp.Queue, spill_dir: str) -> None:
+    from trainmon.producer import Producer, ProducerConfig
+
+    producer = Producer(ProducerConfig(bootstrap=bootstrap, topic_prefix=prefix, run_id=run_id,
+                                       rank=rank, world_size=16, spill_dir=Path(spill_dir),
+                                       queue_size=1_000_000))
+    start.wait()
+    began = time.perf_counter()
+    for step in range(count):
+        producer.log_step(step, epoch=0.0, step_tokens=4096, duration_ms=250.0, loss=2.0,
+                          norm=1.0, lr=3e-4, timers={"forward": 80.0, "backward": 160.0})
+        if rate and step % 50 == 0:
+            ahead = began + step / rate - time.perf_counter()
+            if ahead > 0:
+                time.sleep(ahead)
+    logged = time.perf_counter() - began
+    producer.close(timeout=120)
+    results.put((rank, count / logged, producer.spilled, time.time()))
+
+
+def run_producers(bootstrap, prefix, run_id, producers, per_producer, rate, spill_dir):
+    ctx = mp.get_context("spawn")
+    start, results = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=produce, args=(bootstrap, prefix, run_id, rank, per_producer,
+                                                rate / producers if rate else 0, start, results,
+                                                spill_dir))
+             for rank in range(producers)]
+    for p in procs:
+        p.start()
+    time.sleep(3)  # imports and connections outside the measured time
+    return procs, start, results
+
+
+def sql(endpoint, query: str) -> str:
+    return query_endpoint(endpoint, query, "TabSeparated").decode().strip()
+
+
+def wait_rows(endpoint, run_id: str, expected: int, timeout: float) -> float:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        n = int(sql(endpoint, f"SELECT count() FROM trainmon.step WHERE run_id = '{run_id}'"))
+        if n >= expected:
+            return time.perf_counter()
+        time.sleep(0.1)
+    raise TimeoutError(f"only {n} of {expected} rows arrived in {timeout:.0f}s")
+
+
+def latency_ms(endpoint, run_id: str) -> tuple[float, float, float]:
+    out = sql(endpoint, "SELECT quantilesExact(0.5, 0.99, 1)(dateDiff('microsecond', time, _inserted_at)"
+                        f" / 1000) FROM trainmon.step WHERE run_id = '{run_id}'")
+    return tuple(float(x) for x in out.strip("[]").split(","))
+
+
+def start_service(tmp: Path, bootstrap: str, prefix: str):
+    env = dict(os.environ, TRAINMON_KAFKA_BOOTSTRAP=bootstrap, PYTHONPATH=str(REPO))
+    with open(tmp / "service.log", "ab") as log:
+        service = subprocess.Popen(
+            [sys.executable, "-m", "trainmon", "consume", "clickhouse", "--path",
+             str(tmp / "chdb"), "--topic-prefix", prefix, "--group", f"{prefix}ch"],
+            env=env, stdout=log, stderr=subprocess.STDOUT)
+    while (endpoint := find_endpoint(tmp / "chdb")) is None:
+        if service.poll() is not None:
+            raise RuntimeError((tmp / "service.log").read_text())
+        time.sleep(0.05)
+    return service, endpoint
+
+
+def burst(bootstrap, prefix, run_id, producers, total, spill_dir):
+    """All producers log their share as fast as they can; returns (log-call rate,
+    spilled, perf_counter at the first log call, wall seconds until all were delivered)."""
+    procs, start, results = run_producers(bootstrap, prefix, run_id, producers,
+                                          total // producers, 0, spill_dir)
+    began, began_wall = time.perf_counter(), time.time()
+    start.set()
+    rates = [results.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    return (sum(r[1] for r in rates), sum(r[2] for r in rates), began,
+            max(r[3] for r in rates) - began_wall)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--records", type=int, default=300_000, help="burst phase record count")
+    parser.add_argument("--producers", type=int, default=2)
+    parser.add_argument("--paced-rate", type=float, default=5_000, help="records/s, paced phase")
+    parser.add_argument("--paced-seconds", type=float, default=10)
+    args = parser.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="trainmon-pipeline-") as tmp:
+        tmp = Path(tmp)
+        broker = None
+        bootstrap = os.environ.get("TRAINMON_KAFKA_BOOTSTRAP")
+        if not bootstrap:
+            broker = Broker(tmp / "kafka", heap="1g").start()
+            bootstrap = broker.bootstrap
+        prefix = f"bench{uuid.uuid4().hex[:8]}."
+        service = None
+        try:
+            if broker is not None:  # an outside broker creates topics on first use
+                broker.create_topics(topics.all_topics(prefix))
+            total = args.records // args.producers * args.producers
+            spill = str(tmp / "spill")
+
+            # 1. Consumer alone: drain records already in Kafka.
+            log_rate, spilled, _, delivered = burst(bootstrap, prefix, "drain", args.producers,
+                                                    total, spill)
+            print(f"producers alone: {total} step records from {args.producers} processes")
+            print(f"  log calls:             {log_rate:,.0f} records/s (spilled: {spilled})")
+            print(f"  delivered to Kafka:    {total / delivered:,.0f} records/s")
+            service, endpoint = start_service(tmp, bootstrap, prefix)
+            ready = time.perf_counter()
+            visible = wait_rows(endpoint, "drain", total, timeout=600)
+            print(f"consumer alone (service drains the topics into ClickHouse):")
+            print(f"  {total / (visible - ready):,.0f} records/s ({visible - ready:.2f} s)")
+
+            # 2. Everything at once: producers -> Kafka -> ClickHouse.
+            log_rate, spilled, began, delivered = burst(bootstrap, prefix, "burst", args.producers,
+                                                        total, spill)
+            visible = wait_rows(endpoint, "burst", total, timeout=600)
+            burst_p50, burst_p99, _ = latency_ms(endpoint, "burst")
+            print(f"end to end, producers and consumer at once: {total} step records")
+            print(f"  log calls:             {log_rate:,.0f} records/s (spilled: {spilled})")
+            print(f"  delivered to Kafka:    {total / delivered:,.0f} records/s")
+            print(f"  sustained end to end:  {total / (visible - began):,.0f} records/s "
+                  f"(first log call -> last row visible: {visible - began:.2f} s)")
+            print(f"  latency under backlog: p50 {burst_p50:.0f} ms, p99 {burst_p99:.0f} ms")
+
+            per = int(args.paced_rate * args.paced_seconds) // args.producers
+            procs, start, results = run_producers(bootstrap, prefix, "paced", args.producers, per,
+                                                  args.paced_rate, str(tmp / "spill"))
+            start.set()
+            wait_rows(endpoint, "paced", per * args.producers, timeout=600)
+            for _ in procs:
+                results.get(timeout=120)
+            for p in procs:
+                p.join()
+            p50, p99, worst = latency_ms(endpoint, "paced")
+            print(f"paced: {args.paced_rate:,.0f} records/s for {args.paced_seconds:.0f} s")
+            print(f"  log call -> row visible: p50 {p50:.0f} ms, p99 {p99:.0f} ms, max {worst:.0f} ms")
+        finally:
+            if service is not None:
+                service.terminate()
+                service.wait(60)
+            if broker is not None:
+                broker.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
