@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 from contextlib import contextmanager
+from dataclasses import replace
 
 from ... import kafka_config
 from ..stream import stop_on_signals
@@ -30,8 +31,8 @@ log = logging.getLogger("trainmon.clickhouse")
 def add_target_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--path", help="chDB data directory (default: $TRAINMON_CLICKHOUSE_PATH "
                                        "or ./trainmon-data/chdb)")
-    parser.add_argument("--url", help="ClickHouse server URL (default: $TRAINMON_CLICKHOUSE_URL; "
-                                      "when set, --path is not used)")
+    parser.add_argument("--url", help="ClickHouse server URL (default: $TRAINMON_CLICKHOUSE_URL, "
+                                      "which is ignored when --path is given)")
     parser.add_argument("--database", help="database (default: $TRAINMON_CLICKHOUSE_DATABASE "
                                            "or trainmon)")
 
@@ -46,7 +47,10 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def target_from(args) -> Target:
-    return Target.from_env(path=args.path, url=args.url, database=args.database)
+    target = Target.from_env(path=args.path, url=args.url, database=args.database)
+    if args.path and not args.url:  # an explicit --path means the embedded engine
+        target = replace(target, url=None)
+    return target
 
 
 @contextmanager
@@ -72,7 +76,9 @@ def configure_logging() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="trainmon consume clickhouse", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="trainmon consume clickhouse",
+        description="Load every record topic into typed ClickHouse tables, exactly once.")
     add_target_arguments(parser)
     add_batch_arguments(parser)
     parser.add_argument("--group", default=DEFAULT_GROUP, help=f"consumer group (default {DEFAULT_GROUP})")
