@@ -9,7 +9,7 @@ import uuid
 
 from ... import topics
 from ...schemas import RECORD_TYPES
-from .client import Target, connect
+from .client import EngineBusy, Target, connect
 from .ddl import create_all, create_table_sql
 from .loader import Loader, caught_up_with
 from .service import (add_batch_arguments, add_target_arguments, configure_logging,
@@ -32,11 +32,6 @@ OUTPUT_SETTINGS = {
     "output_format_json_quote_denormals": "1",
     "output_format_json_quote_64bit_integers": "0",
 }
-
-
-def _engine_busy(exc: Exception) -> bool:
-    text = str(exc)
-    return "Cannot lock file" in text or "Another server instance" in text or "EmbeddedServer" in text
 
 
 def query(target: Target, sql: str, fmt: str, settings: dict | None = None) -> bytes:
@@ -73,15 +68,9 @@ def sql_main(argv: list[str] | None = None) -> int:
     fmt = FORMATS.get(args.format, args.format)
     try:
         out = query(target_from(args), sql, fmt)
-    except SqlQueryError as exc:
+    except (SqlQueryError, EngineBusy) as exc:
         print(f"trainmon sql: {exc}", file=sys.stderr)
         return 1
-    except Exception as exc:  # noqa: BLE001 - e.g. the directory held by a non-service process
-        if _engine_busy(exc):
-            print(f"trainmon sql: the data directory is in use by another process that does not "
-                  f"answer SQL: {exc}", file=sys.stderr)
-            return 1
-        raise
     sys.stdout.buffer.write(out)
     sys.stdout.buffer.flush()
     return 0
@@ -106,7 +95,11 @@ def replay_main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     configure_logging()
     target = target_from(args)
-    client = connect(target)
+    try:
+        client = connect(target)
+    except EngineBusy as exc:
+        print(f"trainmon replay: {exc}", file=sys.stderr)
+        return 1
     try:
         existing = _rows_in(client, target.database)
         if existing:
@@ -164,12 +157,10 @@ def clickhouse_main(argv: list[str] | None = None) -> int:
         return 0
     try:
         client = connect(target)
-    except Exception as exc:  # noqa: BLE001
-        if _engine_busy(exc):
-            print(f"trainmon clickhouse init: {target.path} is held by a running service, "
-                  "which has already created the tables", file=sys.stderr)
-            return 1
-        raise
+    except EngineBusy as exc:
+        print(f"trainmon clickhouse init: {exc}; a running service has created the tables "
+              "already", file=sys.stderr)
+        return 1
     try:
         create_all(client, target.database)
     finally:

@@ -59,6 +59,10 @@ class Target:
         return f"{self.url}/{self.database}" if self.url else f"chdb:{self.path.resolve()}/{self.database}"
 
 
+class EngineBusy(RuntimeError):
+    """The embedded data directory cannot be opened by this process right now."""
+
+
 def connect(target: Target | None = None):
     """A clickhouse-connect client on ``target`` (from env when not given).
 
@@ -67,10 +71,22 @@ def connect(target: Target | None = None):
     """
     import clickhouse_connect
 
+    from clickhouse_connect.driver.exceptions import ProgrammingError
+
     target = target or Target.from_env()
     if target.embedded:
         target.path.mkdir(parents=True, exist_ok=True)
-        return clickhouse_connect.get_client(interface="chdb", path=str(target.path))
+        try:
+            return clickhouse_connect.get_client(interface="chdb", path=str(target.path))
+        except ProgrammingError as exc:
+            text = str(exc)
+            if "already initialized with path" in text:
+                raise EngineBusy(f"this process already has another chDB directory open ({text}); "
+                                 "close that client first") from exc
+            if "Cannot lock file" in text or "Error initializing EmbeddedServer" in text:
+                raise EngineBusy(f"{target.path} is in use by another process (a running "
+                                 "'trainmon consume clickhouse' or 'trainmon replay'?)") from exc
+            raise
     kwargs = {"dsn": target.url}
     if target.user:
         kwargs["username"] = target.user

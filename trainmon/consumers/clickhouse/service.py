@@ -19,7 +19,7 @@ from dataclasses import replace
 
 from ... import kafka_config
 from ..stream import stop_on_signals
-from .client import Target, connect
+from .client import EngineBusy, Target, connect
 from .ddl import create_all
 from .loader import Loader
 from .sql_endpoint import SqlEndpoint
@@ -92,7 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging()
     target = target_from(args)
     stop = stop_on_signals()
-    client = connect(target)
+    try:
+        client = connect(target)
+    except EngineBusy as exc:
+        log.error("%s", exc)
+        return 1
     try:
         create_all(client, target.database)
         with sql_endpoint_for(target, not args.no_sql_endpoint):
