@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from .. import topics
@@ -30,22 +31,36 @@ TABLES = ["run", "dataset", "step", "eval", "moe", "allocator", "gpu", "gpu_mode
 # The alert thresholds are the engine's defaults; only time windows are shortened so a
 # 100-step demo can show the rules that need a grace period.
 DEMO_ALERT_ENV = {
-    "TRAINMON_ALERT_RANK_MISMATCH_GRACE_S": "2",
+    "TRAINMON_ALERT_RANK_MISMATCH_GRACE_S": "4",
+    "TRAINMON_ALERT_WALL_CLOCK_SLACK_S": "2",
 }
 
 EXAMPLE_QUERIES = [
-    ("Run summary", "SELECT * FROM trainmon.run_summary FORMAT Vertical"),
+    ("Run summary", "SELECT * FROM trainmon.run_summary WHERE run_id = {run}", "Vertical"),
     ("The five slowest steps and who held them up (the straggler view)",
-     "SELECT step, ranks, round(min_ms) AS min_ms, round(mean_ms) AS mean_ms, round(max_ms) AS "
-     "max_ms, slowest_rank FROM trainmon.step_across_ranks WHERE run_id = {run} "
-     "ORDER BY max_ms DESC LIMIT 5"),
+     "SELECT step, ranks_reporting AS ranks, round(min_duration_ms) AS min_ms, "
+     "round(mean_duration_ms) AS mean_ms, round(max_duration_ms) AS max_ms, slowest_rank "
+     "FROM trainmon.step_across_ranks WHERE run_id = {run} ORDER BY max_ms DESC LIMIT 5",
+     "PrettyCompactMonoBlock"),
     ("Loss and grad norm per rank around the NaN",
      "SELECT step, rank, loss, norm, skipped FROM trainmon.step FINAL WHERE run_id = {run} "
-     "AND step BETWEEN {nan_step} - 1 AND {nan_step} + 1 ORDER BY step, rank"),
+     "AND step BETWEEN {nan_step} - 1 AND {nan_step} + 1 ORDER BY step, rank", "PrettyCompactMonoBlock"),
     ("Mean tokens/s per rank",
      "SELECT rank, round(avg(tokens_per_second)) AS tokens_per_s, round(quantile(0.99)(duration_ms)) "
-     "AS p99_step_ms FROM trainmon.step FINAL WHERE run_id = {run} GROUP BY rank ORDER BY rank"),
+     "AS p99_step_ms FROM trainmon.step FINAL WHERE run_id = {run} GROUP BY rank ORDER BY rank",
+     "PrettyCompactMonoBlock"),
 ]
+
+
+@dataclass(frozen=True)
+class Injected:
+    """The anomalies the training job injects, and so the alerts the demo expects."""
+
+    spike_step: int
+    stall_step: int
+    stall_rank: int
+    nan_step: int
+    nan_rank: int
 
 
 class Progress:
@@ -96,14 +111,15 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the broker, chDB, logs and report.html go (emptied first)")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--stall-seconds", type=float, default=8.0)
+    parser.add_argument("--stall-seconds", type=float, default=12.0)
     args = parser.parse_args(argv)
 
     out = args.output.resolve()
     shutil.rmtree(out, ignore_errors=True)
     (out / "logs").mkdir(parents=True)
     run_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
-    nan_step, spike_step, stall_step, stall_rank, nan_rank = 75, 30, 50, min(2, args.ranks - 1), 1 % args.ranks
+    injected = Injected(spike_step=30, stall_step=52, stall_rank=min(2, args.ranks - 1),
+                        nan_step=75, nan_rank=1 % args.ranks)
     progress = Progress(6)
 
     progress("starting the Kafka broker (KRaft, single node on loopback)")
@@ -117,7 +133,6 @@ def main(argv: list[str] | None = None) -> int:
                "TRAINMON_CLICKHOUSE_PATH": str(target.path),
                "TRAINMON_RUN_ID": run_id,
                "TRAINMON_SPILL_DIR": str(out / "spill"),
-               "TRAINMON_ALERTS_STATE_DIR": str(out / "alerts-state"),
                "PYTHONUNBUFFERED": "1"}
 
         progress("starting the consumers: ClickHouse (embedded chDB) and the alerts engine")
@@ -128,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
 
         progress(f"training a tiny MoE language model on {args.ranks} ranks (gloo, CPU), "
                  f"{args.steps} steps, run {run_id}")
-        print(f"   injected: grad spike at step {spike_step} (all ranks), rank {stall_rank} stalls "
-              f"{args.stall_seconds:.0f}s at step {stall_step}, NaN loss on rank {nan_rank} at step {nan_step}")
+        print(f"   injected: grad spike at step {injected.spike_step} (all ranks), rank "
+              f"{injected.stall_rank} stalls {args.stall_seconds:.0f}s at step {injected.stall_step}, "
+              f"NaN loss on rank {injected.nan_rank} at step {injected.nan_step}")
         master_port = free_port()
         ranks = []
         for rank in range(args.ranks):
@@ -137,9 +153,9 @@ def main(argv: list[str] | None = None) -> int:
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(master_port)}
             ranks.append(subprocess.Popen(
                 [sys.executable, "-m", "trainmon.demo.train", "--steps", str(args.steps),
-                 "--spike-step", str(spike_step), "--stall-step", str(stall_step),
-                 "--stall-rank", str(stall_rank), "--stall-seconds", str(args.stall_seconds),
-                 "--nan-step", str(nan_step), "--nan-rank", str(nan_rank)],
+                 "--spike-step", str(injected.spike_step), "--stall-step", str(injected.stall_step),
+                 "--stall-rank", str(injected.stall_rank), "--stall-seconds", str(args.stall_seconds),
+                 "--nan-step", str(injected.nan_step), "--nan-rank", str(injected.nan_rank)],
                 env=rank_env, stdout=None if rank == 0 else subprocess.DEVNULL,
                 stderr=open(out / "logs" / f"rank{rank}.log", "wb")))
         codes = [p.wait() for p in ranks]
@@ -158,15 +174,17 @@ def main(argv: list[str] | None = None) -> int:
             _stop(service)
 
         progress("what happened")
-        from .report import print_summary, write_report
+        from .report import check_injected, print_summary, write_report
 
-        print_summary(target, run_id, TABLES, EXAMPLE_QUERIES, dict(run="'" + run_id + "'", nan_step=nan_step))
+        print_summary(target, run_id, TABLES, EXAMPLE_QUERIES,
+                      dict(run="'" + run_id + "'", nan_step=injected.nan_step))
+        missed = check_injected(target, run_id, injected)
         progress("writing the report")
         report = write_report(target, run_id, out / "report.html")
         print(f"   report: {report}")
         print(f"   query it yourself: TRAINMON_CLICKHOUSE_PATH={target.path} trainmon sql "
               f"\"SELECT * FROM trainmon.alert FINAL\"")
-        return 0
+        return 1 if missed else 0
     finally:
         for service in services:
             _stop(service)

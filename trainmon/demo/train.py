@@ -31,9 +31,10 @@ from trainmon.integrations.moe import moe_fields
 from trainmon.integrations.nvml import GpuSampler
 from trainmon.integrations.torch import allocator_fields, step_fields
 
-VOCAB, DIM, EXPERTS, SEQ, BATCH = 128, 64, 4, 32, 8
-# Megatron reports the load-balancing loss times its coefficient (moe_aux_loss_coeff).
-AUX_LOSS_COEFF = 0.01
+VOCAB, DIM, EXPERTS, SEQ, BATCH = 128, 64, 4, 32, 16
+# Megatron reports the router losses times their coefficients (moe_aux_loss_coeff,
+# moe_z_loss_coeff); the alert thresholds (aux > 1.0, z > 0.1) are meant for those.
+AUX_LOSS_COEFF, Z_LOSS_COEFF = 1e-2, 1e-3
 
 
 class MoeFeedForward(nn.Module):
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sync-every", type=int, default=10)
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--spike-step", type=int, default=30)
-    parser.add_argument("--stall-step", type=int, default=50)
+    parser.add_argument("--stall-step", type=int, default=52)
     parser.add_argument("--stall-rank", type=int, default=2)
     parser.add_argument("--stall-seconds", type=float, default=8.0)
     parser.add_argument("--nan-step", type=int, default=75)
@@ -132,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                          file_index=rank, seed=1000 + rank)
     gpus = GpuSampler(producer).start()  # turns itself off with one line on a machine without GPUs
 
+    dist.barrier()  # start together: a rank still importing torch is not a lagging rank
     status = "failed"
     try:
         for step in range(1, args.steps + 1):
@@ -169,9 +171,9 @@ def main(argv: list[str] | None = None) -> int:
                               timers={"forward-backward": duration_ms}, **fields,
                               **throughput_fields(per_token, tokens_per_step, duration_ms))
             moe = moe_fields([layer.router_logits for layer in model.moe], top_k=1)
-            for key in ("aux_loss", "layer_aux_loss"):
-                moe[key] = [v * AUX_LOSS_COEFF for v in moe[key]] if key.startswith("layer") \
-                    else moe[key] * AUX_LOSS_COEFF
+            for key, coeff in (("aux_loss", AUX_LOSS_COEFF), ("z_loss", Z_LOSS_COEFF)):
+                moe[key] *= coeff
+                moe[f"layer_{key}"] = [v * coeff for v in moe[f"layer_{key}"]]
             producer.log_moe_stats(step, **moe)
             if step % 10 == 0:
                 producer.log_allocator(step, **allocator_fields(model, optimizer))
