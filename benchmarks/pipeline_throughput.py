@@ -34,12 +34,14 @@ from trainmon.consumers.clickhouse.sql_endpoint import find_endpoint, query_endp
 
 
 def produce(bootstrap: str, prefix: str, run_id: str, rank: int, count: int, rate: float,
-            start: mp.Event, results: mp.Queue, spill_dir: str) -> None:
+            start: mp.Event, results: mp.Queue, spill_dir: str, compression: str) -> None:
     from trainmon.producer import Producer, ProducerConfig
 
-    producer = Producer(ProducerConfig(bootstrap=bootstrap, topic_prefix=prefix, run_id=run_id,
-                                       rank=rank, world_size=16, spill_dir=Path(spill_dir),
-                                       queue_size=1_000_000))
+    config = ProducerConfig(bootstrap=bootstrap, topic_prefix=prefix, run_id=run_id, rank=rank,
+                            world_size=16, spill_dir=Path(spill_dir), queue_size=1_000_000)
+    if compression != "default":
+        config.compression = None if compression == "none" else compression
+    producer = Producer(config)
     start.wait()
     began = time.perf_counter()
     for step in range(count):
@@ -54,12 +56,15 @@ def produce(bootstrap: str, prefix: str, run_id: str, rank: int, count: int, rat
     results.put((rank, count / logged, producer.spilled, time.time()))
 
 
+COMPRESSION = "default"
+
+
 def run_producers(bootstrap, prefix, run_id, producers, per_producer, rate, spill_dir):
     ctx = mp.get_context("spawn")
     start, results = ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=produce, args=(bootstrap, prefix, run_id, rank, per_producer,
                                                 rate / producers if rate else 0, start, results,
-                                                spill_dir))
+                                                spill_dir, COMPRESSION))
              for rank in range(producers)]
     for p in procs:
         p.start()
@@ -121,7 +126,11 @@ def main() -> int:
     parser.add_argument("--producers", type=int, default=2)
     parser.add_argument("--paced-rate", type=float, default=5_000, help="records/s, paced phase")
     parser.add_argument("--paced-seconds", type=float, default=10)
+    parser.add_argument("--compression", default="default",
+                        help="producer compression: default (the producer's), none, gzip, ...")
     args = parser.parse_args()
+    global COMPRESSION
+    COMPRESSION = args.compression
 
     with tempfile.TemporaryDirectory(prefix="trainmon-pipeline-") as tmp:
         tmp = Path(tmp)

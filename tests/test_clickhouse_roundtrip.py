@@ -150,8 +150,12 @@ def test_sigterm_writes_the_last_batch_and_commits(bootstrap, topic_prefix, make
     # A long batch interval: only the SIGTERM path can write these rows.
     service = ClickHouseService(bootstrap, topic_prefix, tmp_path / "chdb", tmp_path / "svc.log")
     service.start("--batch-ms", "600000")
-    assert len(read_topic(bootstrap, topics.topic_for("step", topic_prefix), 50)) == 50
-    time.sleep(3)  # let it poll the records into its buffer
+    deadline = time.monotonic() + 60
+    while "receiving records" not in service.log.read_text():  # polled into its buffer
+        assert time.monotonic() < deadline, service.log.read_text()[-3000:]
+        time.sleep(0.1)
+    time.sleep(0.5)
+    assert service.value("SELECT count() FROM trainmon.step") == 0
     assert service.stop() == 0
     assert service.value("SELECT count() FROM trainmon.step") == 50
 

@@ -41,6 +41,7 @@ log = logging.getLogger("trainmon.clickhouse")
 
 # Test hook: kill -9 this process right after the N-th batch insert, before its Kafka
 # commit: the window in which a naive consumer duplicates rows.
+COMMIT_BACKOFF_S = 5.0
 _CRASH_AFTER_INSERTS = int(os.environ.get("TRAINMON_CLICKHOUSE_CRASH_AFTER_INSERTS") or 0)
 
 
@@ -57,6 +58,8 @@ class Loader:
         self.insert_retries = 0
         self._dead_letters_committed = 0
         self._inserted_since_commit = False
+        self._receiving = False
+        self._next_commit_at = 0.0
         self._lock = threading.RLock()
         self._owned: set[TopicPartition] = set()
         self._rewind: dict[TopicPartition, int] = {}
@@ -103,13 +106,13 @@ class Loader:
             owned = self._owned
             self.buffers.add([m for m in messages if TopicPartition(m.topic, m.partition) in owned])
 
-    def flush_and_commit(self) -> None:
+    def flush_and_commit(self, final: bool = False) -> None:
         with self._lock:
             batches = self.buffers.take()
             for tp, messages in batches.items():
                 self._insert_partition(tp, messages)
         # Outside the lock: a commit waits on the IO thread, which may be in _on_revoke.
-        if self._commit_due():
+        if self._commit_due() and (final or time.monotonic() >= self._next_commit_at):
             try:
                 dead_letters = self.dead_letters
                 self._inserted_since_commit = False
@@ -117,7 +120,9 @@ class Loader:
                 self._dead_letters_committed = dead_letters
             except KafkaError as exc:  # e.g. a rebalance under way; ClickHouse holds the truth
                 self._inserted_since_commit = True
-                log.warning("Kafka commit failed (will commit again later): %s", exc)
+                # Commits retried at once keep interrupting the group join they wait for.
+                self._next_commit_at = time.monotonic() + COMMIT_BACKOFF_S
+                log.warning("Kafka commit failed (trying again in %.0f s): %s", COMMIT_BACKOFF_S, exc)
 
     def _commit_due(self) -> bool:
         return self._inserted_since_commit or self.dead_letters > self._dead_letters_committed
@@ -174,15 +179,20 @@ class Loader:
                 # Short polls: a stop request is noticed within half a second.
                 wait = min(0.5, self.buffers.seconds_until_due())
                 room = max(1, self.buffers.max_rows - self.buffers.rows)
-                self._buffer(self.stream.poll(timeout_ms=int(wait * 1000), max_records=room))
-                if self.buffers.due() or (not self.buffers.rows and self._commit_due()):
+                messages = self.stream.poll(timeout_ms=int(wait * 1000), max_records=room)
+                if messages and not self._receiving:
+                    self._receiving = True
+                    log.info("receiving records")
+                self._buffer(messages)
+                if self.buffers.due() or (not self.buffers.rows and self._commit_due()
+                                          and time.monotonic() >= self._next_commit_at):
                     self.flush_and_commit()
                 if until is not None and not self.buffers.rows and until(self):
                     break
                 if time.monotonic() - last_report >= 30:
                     last_report = time.monotonic()
                     log.info("%d rows inserted, %d dead letters", self.rows_inserted, self.dead_letters)
-            self.flush_and_commit()
+            self.flush_and_commit(final=True)
         finally:
             self.stream.close()
         log.info("stopped: %d rows inserted in %d inserts, %d dead letters, %d insert retries",
