@@ -8,7 +8,6 @@ import math
 import time
 from datetime import datetime, timedelta, timezone
 
-import pytest
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from trainmon import topics
