@@ -113,6 +113,14 @@ class BackgroundService:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    def describe(self) -> str:
+        """What the service has seen, for a failure message."""
+        engine = self.service.engine
+        runs = {r.run_id: {"max_step": r.max_step, "clock": r.clock,
+                           "ranks": {rs.rank: rs.last_step for rs in r.ranks.values()}}
+                for r in list(engine.runs.values())}
+        return f"stats={self.service.stats} ticks={self.service.ticks} runs={runs}"
+
     def stop(self) -> None:
         self.service.stop.set()
         self._thread.join(timeout=60)
@@ -120,13 +128,14 @@ class BackgroundService:
             raise self.error
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "condition") -> None:
+def wait_for(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "condition",
+             details: Callable[[], str] | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
         time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}")
+    raise AssertionError(f"timed out waiting for {what}" + (f": {details()}" if details else ""))
 
 
 def t0_now(steps: int = 80, dt: float = 1.0) -> float:

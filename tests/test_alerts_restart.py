@@ -38,7 +38,7 @@ def part(t0, first, last, ranks=(0, 1, 2, 3), **kw):
 
 @pytest.mark.parametrize("restart", ["checkpoint", "no_checkpoint", "stale_checkpoint", "new_group"])
 def test_restart_mid_run(bootstrap, topic_prefix, make_producer, tmp_path, restart):
-    env = service_env(bootstrap, rank_mismatch_grace_s=2)
+    env = service_env(bootstrap, rank_mismatch_grace_s=2, wall_clock_slack_s=0.5)
     state = tmp_path / "state"
     producer = make_producer()
     t0 = time.time() - 81  # the run ends about now: no stall, and record time decides the rest

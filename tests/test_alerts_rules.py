@@ -28,7 +28,7 @@ STEPS = 80
 TEST_SETTINGS = dict(
     loss_plateau_window=20, loss_plateau_fire_after=3, loss_plateau_clear_after=3,
     lr_zero_after_step=20, gpu_underutilized_fire_after_s=10, straggler_fire_after=3,
-    stalled_min_s=30, rank_mismatch_grace_s=10,
+    stalled_min_s=30, rank_mismatch_grace_s=10, wall_clock_slack_s=1,
 )
 
 

@@ -77,7 +77,10 @@ class AlertEngine:
         update their windows but no incident fires or resolves."""
         self.book.emit = not value
 
-    def process(self, record: Record) -> list[AlertRecord]:
+    def process(self, record: Record, received: float | None = None) -> list[AlertRecord]:
+        """Run the rules on one record. ``received`` is the wall clock when it arrived (the
+        service passes it; None: its record time), used only to keep the wall-clock part of
+        the tick rules from mistaking a burst of old records for silence."""
         self.processed += 1
         kind = record.kind
         t = record.time.timestamp()
@@ -98,7 +101,7 @@ class AlertEngine:
             run.set_ended(rs, False)  # records after its end: the rank is back (resumed)
             run.pending_ends.discard(rs.rank)
         if kind == "step":
-            run.on_step(rs, record.step, t, record.duration_ms)
+            run.on_step(rs, record.step, t, record.duration_ms, t if received is None else received)
         out: list[AlertRecord] = []
         for rule in self._by_kind.get(kind, ()):
             found = rule.observe(record, t, run, rs)
@@ -119,15 +122,15 @@ class AlertEngine:
                 out.extend(self._apply_ends(run))
                 if run.run_id not in self.runs:
                     continue
-            clock = run.clock
+            wall = None
             if now is not None:
                 if now - run.clock > cfg.live_run_max_age_s:
                     out.extend(self._forget_run(run, run.clock + cfg.live_run_max_age_s,
                                                 f"no records for {cfg.live_run_max_age_s / 3600:g} h"))
                     continue
-                clock = max(clock, now - cfg.wall_clock_slack_s)
+                wall = now - cfg.wall_clock_slack_s
             for rule in self._tick_rules:
-                found = rule.tick(clock, run)
+                found = rule.tick(run, wall)
                 if found:
                     out.append(found)
         return out

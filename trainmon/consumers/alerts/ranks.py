@@ -76,7 +76,9 @@ class TickRule(Rule):
     kinds = ()
     whole_run = True
 
-    def tick(self, now: float, run: RunState):
+    def tick(self, run: RunState, wall: float | None):
+        """``wall``: the wall clock (less the slack) for a live run, None to decide on
+        record time alone."""
         raise NotImplementedError
 
     def bad_run(self, run: RunState, ranks: list[RankState], **kw):
@@ -94,7 +96,8 @@ class RankMismatchRule(TickRule):
     """Ranks of one run at different latest steps for longer than ``grace_s``, e.g. one
     rank stopped reporting while the others advance."""
 
-    def tick(self, now, run):
+    def tick(self, run, wall):
+        now = run.clock if wall is None else max(run.clock, wall)
         active = run.active_ranks()
         if len(active) < 2:
             return self.good_run(run, now)
@@ -102,7 +105,7 @@ class RankMismatchRule(TickRule):
         lagging, worst = [], 0.0
         for rs in active:
             if run.max_step - rs.last_step >= self.cfg.min_steps_behind:
-                behind = now - run.behind_since(rs.last_step)
+                behind = self.behind_for(run, rs.last_step, wall)
                 if behind > self.cfg.grace_s:
                     lagging.append(rs)
                     worst = max(worst, behind)
@@ -116,16 +119,32 @@ class RankMismatchRule(TickRule):
                                 f"(grace {self.cfg.grace_s:g} s)"))
 
 
+    @staticmethod
+    def behind_for(run: RunState, step: int, wall: float | None) -> float:
+        """Seconds since the run first passed ``step``: by the other ranks' record times,
+        and for a live run by the wall clock. Either counts only once the engine has held
+        that evidence for the slack itself, so a burst (a replay, a producer's spill, a
+        batch still on its way to another partition) is not mistaken for a silent rank."""
+        since, received = run.behind_since(step)
+        by_records = run.clock - since
+        if wall is None or received is None:
+            return by_records
+        if wall < received:
+            return 0.0
+        return max(by_records, min(wall - since, wall - received))
+
+
 class StalledRule(TickRule):
     """No rank of a live run reported a new step for ``factor`` x its median step time."""
 
-    def tick(self, now, run):
+    def tick(self, run, wall):
+        now = run.clock if wall is None else max(run.clock, wall)
         active = run.active_ranks()
         if not active or run.last_progress is None:
             return self.good_run(run, now)
         limit = max(self.cfg.min_s, self.cfg.factor * run.step_seconds.median)
         idle = now - run.last_progress
-        if idle <= limit:
+        if idle <= limit or (wall is not None and wall < run.last_progress_received):
             return self.good_run(run, now)
         behind = sorted((rs for rs in active if rs.last_step < run.max_step),
                         key=lambda rs: (rs.last_step, rs.rank))

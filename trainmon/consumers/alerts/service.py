@@ -41,6 +41,7 @@ class AlertService:
         self.engine = AlertEngine(config)
         self.stop = threading.Event()
         self.stats = {"records": 0, "alerts": 0, "warmup": 0, "errors": 0}
+        self.ticks = 0
         self._start_offsets: dict[str, int] = {}
         self._warm_until: dict[tuple[str, int], int] = {}
         self._positioned: set = set()
@@ -122,11 +123,12 @@ class AlertService:
             messages = stream.poll(timeout_ms=200)
             self._position_new(stream)
             alerts = []
+            received = time.time()
             for m in messages:
                 warm = m.offset < self._warm_until.get((m.topic, m.partition), -1)
                 engine.warming_up = warm
                 try:
-                    alerts.extend(engine.process(m.record))
+                    alerts.extend(engine.process(m.record, received))
                 except Exception as exc:  # a record the rules trip over must not stop the service
                     self.stats["errors"] += 1
                     log.exception("trainmon alerts: engine failed on %s[%d]@%d", m.topic, m.partition, m.offset)
@@ -135,6 +137,7 @@ class AlertService:
             engine.warming_up = False
             caught_up = self._caught_up(stream)
             if caught_up:
+                self.ticks += 1
                 alerts.extend(engine.tick(time.time()))
             if alerts and not publisher.publish(alerts, self.stop):
                 return  # stopping with alerts undelivered: their records stay uncommitted

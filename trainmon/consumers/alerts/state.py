@@ -39,10 +39,12 @@ class RunState:
         self.clock = 0.0  # latest record time seen for this run
         self.max_step = -1
         self.last_progress: float | None = None  # record time max_step last grew
+        self.last_progress_received = 0.0  # and the wall clock when that record arrived
         # Steps in the order the run first reached them, with that record time: how long a
         # rank has been behind is "now" minus when the run first passed its last step.
         self.seen_steps: list[int] = []
         self.seen_times: list[float] = []
+        self.seen_received: list[float] = []  # wall clock when the engine first saw each step
         self.step_seconds = RollingMedian(51)
         self.slots: dict[str, Any] = {}  # run-wide rule state
         self.ended_count = 0
@@ -71,7 +73,7 @@ class RunState:
     def active_ranks(self) -> list[RankState]:
         return [rs for rs in self.ranks.values() if not rs.ended and rs.last_step is not None]
 
-    def on_step(self, rs: RankState, step: int, t: float, duration_ms: float) -> None:
+    def on_step(self, rs: RankState, step: int, t: float, duration_ms: float, received: float) -> None:
         if rs.last_step is not None and step < rs.last_step:
             self.rewind()  # resumed from a checkpoint: step counts start over
         rs.last_step = step
@@ -79,30 +81,38 @@ class RunState:
         if step > self.max_step:
             self.max_step = step
             self.last_progress = t
+            self.last_progress_received = received
             self.seen_steps.append(step)
             self.seen_times.append(t)
+            self.seen_received.append(received)
             self.step_seconds.push(duration_ms / 1000.0)
             if len(self.seen_steps) > MAX_SEEN_STEPS:
                 del self.seen_steps[:MAX_SEEN_STEPS // 2]
                 del self.seen_times[:MAX_SEEN_STEPS // 2]
+                del self.seen_received[:MAX_SEEN_STEPS // 2]
 
     def rewind(self) -> None:
         self.max_step = -1
         self.seen_steps.clear()
         self.seen_times.clear()
+        self.seen_received.clear()
         for rs in self.ranks.values():
             rs.last_step = None
 
-    def behind_since(self, step: int) -> float:
-        """Record time at which the run first reported a step after ``step``."""
+    def behind_since(self, step: int) -> tuple[float, float | None]:
+        """When the run first reported a step after ``step``: its record time, and the
+        wall clock at which the engine received it (None if unknown)."""
         i = bisect.bisect_right(self.seen_steps, step)
-        return self.seen_times[i] if i < len(self.seen_times) else self.clock
+        if i < len(self.seen_times):
+            return self.seen_times[i], self.seen_received[i]
+        return self.clock, None
 
     def forget_steps_up_to(self, step: int) -> None:
         i = bisect.bisect_right(self.seen_steps, step)
         if i:
             del self.seen_steps[:i]
             del self.seen_times[:i]
+            del self.seen_received[:i]
 
     # -- checkpoint ---------------------------------------------------------------------
 
@@ -110,7 +120,8 @@ class RunState:
         return {
             "run_id": self.run_id, "world_size": self.world_size, "clock": self.clock,
             "max_step": self.max_step, "last_progress": self.last_progress,
-            "seen": [self.seen_steps, self.seen_times], "step_seconds": self.step_seconds.dump(),
+            "last_progress_received": self.last_progress_received,
+            "seen": [self.seen_steps, self.seen_times, self.seen_received], "step_seconds": self.step_seconds.dump(),
             "pending_ends": sorted(self.pending_ends), "end_status": self.end_status,
             "slots": {name: rules[name].dump_run_state(s) for name, s in self.slots.items() if name in rules},
             "ranks": [{
@@ -127,7 +138,8 @@ class RunState:
         run.clock = data["clock"]
         run.max_step = data["max_step"]
         run.last_progress = data["last_progress"]
-        run.seen_steps, run.seen_times = data["seen"]
+        run.last_progress_received = data["last_progress_received"]
+        run.seen_steps, run.seen_times, run.seen_received = data["seen"]
         run.step_seconds = RollingMedian(51, data["step_seconds"])
         run.pending_ends = set(data["pending_ends"])
         run.end_status = data["end_status"]
