@@ -7,21 +7,28 @@ runs once over them until idle, and each test reads its run's alerts from the al
 
 from __future__ import annotations
 
+import json
 import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
 import pytest
+from kafka import KafkaProducer
 
+from trainmon import topics
 from trainmon.consumers.alerts.config import Rules
 from trainmon.consumers.alerts.engine import RULE_CLASSES
 from trainmon.producer import Producer, ProducerConfig
 
 from .alerts_support import past_t0, run_until_idle, send, service_env, synthetic_run
-from .conftest import read_records
+from .conftest import read_records, read_topic
 
 S = 50  # the step every anomaly starts at
+GARBAGE = [b"not json at all", json.dumps({"run_id": "garbage", "rank": 0, "world_size": 1, "host": "h",
+                                           "time": "2026-01-01T00:00:00Z", "event_id": "g1", "step": 1,
+                                           "epoch": 0, "step_tokens": 1, "duration_ms": 1, "norm": 1,
+                                           "lr": 1}).encode()]
 STEPS = 80
 
 # Smaller windows than the defaults so a run of 80 steps can show them.
@@ -134,6 +141,11 @@ def alerts_by_run(kafka_broker, tmp_path_factory):
             send(producer, synthetic_run(f"{sc.rule}-ok", t0=t0, ranks=sc.ranks, steps=STEPS, seed=i))
     finally:
         producer.close()
+    raw = KafkaProducer(bootstrap_servers=bootstrap)
+    for bad in GARBAGE:
+        raw.send(topics.topic_for("step", prefix), key=b"garbage/0", value=bad)
+    raw.flush()
+    raw.close()
     env = service_env(bootstrap, **TEST_SETTINGS)
     service = run_until_idle(env, prefix, tmp / "state", idle_s=2.0)
     assert service.stats["errors"] == 0
@@ -141,6 +153,8 @@ def alerts_by_run(kafka_broker, tmp_path_factory):
     by_run: dict[str, list] = {}
     for a in alerts:
         by_run.setdefault(a.run_id, []).append(a)
+    by_run["__deadletters__"] = [json.loads(m.value) for m in
+                                 read_topic(bootstrap, topics.topic_for(topics.DEADLETTER, prefix), len(GARBAGE))]
     return by_run
 
 
@@ -165,6 +179,14 @@ def test_anomaly_fires_at_the_right_step(alerts_by_run, rule):
     same = [a for a in alerts if a.incident_id == alert.incident_id]
     assert sorted(a.state for a in same) in (["firing"], ["firing", "resolved"])
     assert len({a.event_id for a in alerts}) == len(alerts)
+
+
+def test_bad_input_is_dead_lettered_and_the_rules_carry_on(alerts_by_run):
+    letters = alerts_by_run["__deadletters__"]
+    assert len(letters) == len(GARBAGE)
+    assert {d["consumer"] for d in letters} == {"trainmon-alerts"}
+    assert any("not JSON" in d["error"] for d in letters)
+    assert any("loss" in d["error"] for d in letters)  # names the missing field
 
 
 @pytest.mark.parametrize("rule", list(BY_RULE))

@@ -166,7 +166,8 @@ class AlertEngine:
         del self.runs[run.run_id]
         self.ended_runs[run.run_id] = max(run.clock, t)
         while len(self.ended_runs) > MAX_TOMBSTONES:
-            self.ended_runs.popitem(last=False)
+            gone, _ = self.ended_runs.popitem(last=False)
+            self.book.forget_run(gone)
         return out
 
     # -- checkpoint -----------------------------------------------------------------------

@@ -140,6 +140,8 @@ class IncidentBook:
         inc = ks.open
         if inc is None:
             ks.streaks.pop(rank_key, None)
+            if not ks.streaks and not ks.ordinal:
+                self._drop_key((rule, run_id, subject))  # a blip that never fired: forget it
             return None
         if check_stale and step is not None and inc.alert.step is not None and step < inc.alert.step:
             return None  # a late record from before the incident fired
@@ -184,6 +186,12 @@ class IncidentBook:
                 out.append(self._resolve(ks, ks.open, step, time, None, reason))
         return out
 
+    def forget_run(self, run_id: str) -> None:
+        """Drop everything about a run long gone (its incident numbering included)."""
+        for key in self.by_run.pop(run_id, set()):
+            del self.keys[key]
+        self.fired.pop(run_id, None)
+
     def open_incidents(self, run_id: str | None = None) -> list[AlertRecord]:
         keys = self.keys if run_id is None else self.by_run.get(run_id, ())
         return [self.keys[k].open.alert for k in keys if self.keys[k].open is not None]
@@ -219,6 +227,14 @@ class IncidentBook:
         ks = self.keys[key] = KeyState()
         self.by_run.setdefault(key[1], set()).add(key)
         return ks
+
+    def _drop_key(self, key: Key) -> None:
+        del self.keys[key]
+        keys = self.by_run.get(key[1])
+        if keys is not None:
+            keys.discard(key)
+            if not keys:
+                del self.by_run[key[1]]
 
     def _within_rate(self, run_id: str, time: float) -> bool:
         window = self.fired.get(run_id)

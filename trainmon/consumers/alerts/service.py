@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import threading
 import time
@@ -209,8 +210,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     stop = stop_on_signals()
     threads = []
-    import os
-
     if args.only != "engine" and (args.only == "grafana" or os.environ.get("GRAFANA_URL")):
         from .grafana import GrafanaForwarder
 
