@@ -180,3 +180,23 @@ def test_grafana_down_and_slow_does_not_hold_up_the_engine(bootstrap, topic_pref
 def test_tags_name_rule_severity_run_and_incident():
     firing, _ = engine_alerts(run_id="my-run")
     assert annotation_tags(firing)[:4] == ["trainmon", "rule:non_finite", "severity:critical", "run_id:my-run"]
+
+
+def test_cli_runs_the_engine_and_the_grafana_forwarder(bootstrap, topic_prefix, make_producer, grafana,
+                                                      tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    send(make_producer(), synthetic_run("cli", t0=past_t0(900), steps=30, mutate=nan_at(10)))
+    env = {**os.environ, "TRAINMON_KAFKA_BOOTSTRAP": bootstrap, "TRAINMON_TOPIC_PREFIX": topic_prefix,
+           "TRAINMON_ALERT_STATE_DIR": str(tmp_path / "state"), "GRAFANA_URL": grafana.url,
+           "GRAFANA_TOKEN": TOKEN}
+    done = subprocess.run([sys.executable, "-m", "trainmon", "consume", "alerts", "--exit-when-idle", "3"],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    assert list((tmp_path / "state").glob("*.json")), "no checkpoint written"
+    (annotation,) = grafana.annotations.values()
+    assert "rule:non_finite" in annotation["tags"] and "run_id:cli" in annotation["tags"]
+    assert annotation["timeEnd"] > annotation["time"]
+    assert_spec_clean(grafana)

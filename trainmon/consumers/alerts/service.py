@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
         return 0
     stop = stop_on_signals()
-    threads = []
+    forwarder = None
     if args.only != "engine" and (args.only == "grafana" or os.environ.get("GRAFANA_URL")):
         from .grafana import GrafanaForwarder
 
@@ -217,13 +217,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.only == "grafana":
             forwarder.run(exit_when_idle_s=args.exit_when_idle)
             return 0
-        threads.append(threading.Thread(target=forwarder.run, name="trainmon-grafana", daemon=True))
+    thread = None
+    if forwarder is not None:
+        thread = threading.Thread(target=forwarder.run, kwargs={"exit_when_idle_s": args.exit_when_idle},
+                                  name="trainmon-grafana", daemon=True)
+        thread.start()
     service = AlertService(config)
     service.stop = stop
-    for t in threads:
-        t.start()
     service.run(exit_when_idle_s=args.exit_when_idle)
-    stop.set()
-    for t in threads:
-        t.join(timeout=15)
+    if thread is not None:
+        if args.exit_when_idle is not None:
+            thread.join(timeout=max(30.0, 3 * args.exit_when_idle))  # let it forward the last alerts
+        stop.set()
+        thread.join(timeout=15)
     return 0
