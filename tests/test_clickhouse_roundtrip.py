@@ -141,7 +141,10 @@ def test_poison_messages_are_dead_lettered_and_the_service_goes_on(
     assert " 4 dead letters" in log, log[-2000:]
 
 
-def test_sigterm_writes_the_last_batch_and_commits(bootstrap, topic_prefix, make_producer, tmp_path):
+def test_sigterm_writes_the_last_batch_and_commits(kafka_broker, bootstrap, topic_prefix, make_producer,
+                                                   tmp_path):
+    # All topics exist up front: no rebalance (which writes buffered rows) during the test.
+    kafka_broker.create_topics(topics.all_topics(topic_prefix))
     producer = make_producer()
     for step in range(50):
         producer.log_step(step, step_tokens=10, duration_ms=5, loss=1.0, norm=1.0, lr=1e-3)

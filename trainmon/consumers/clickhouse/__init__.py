@@ -10,6 +10,9 @@ Stable API for other code (tests, demos, dashboards that need data in chDB)::
 ``connect(target)`` returns a clickhouse-connect client (chDB embedded or a server);
 ``create_all(client, database="trainmon")`` creates or migrates the tables and views;
 ``insert_records(client, records, database="trainmon")`` inserts column batches.
+``cli.query(target, sql, fmt)`` runs SQL and returns the bytes ClickHouse rendered in
+``fmt`` (e.g. "JSONEachRow"), through a running service's SQL endpoint when it holds the
+embedded directory, else with a client of its own (see :mod:`.sql_endpoint`).
 chDB hosts one data directory per process: close the client (``client.close()``)
 before connecting to another path in the same process.
 """

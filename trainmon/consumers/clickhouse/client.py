@@ -77,7 +77,11 @@ def connect(target: Target | None = None):
     if target.embedded:
         target.path.mkdir(parents=True, exist_ok=True)
         try:
-            return clickhouse_connect.get_client(interface="chdb", path=str(target.path))
+            # Load every table and view before the first query: with chDB's default
+            # asynchronous loading, an insert right after start could run before a
+            # user's materialized view on that table is attached, and skip it.
+            return clickhouse_connect.get_client(interface="chdb", path=str(target.path),
+                                                 chdb_options={"async_load_databases": "0"})
         except ProgrammingError as exc:
             text = str(exc)
             if "already initialized with path" in text:
