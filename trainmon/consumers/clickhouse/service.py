@@ -23,6 +23,7 @@ from .client import EngineBusy, Target, connect
 from .ddl import create_all
 from .loader import Loader
 from .sql_endpoint import SqlEndpoint
+from .topic_setup import ensure_topics
 
 DEFAULT_GROUP = "trainmon-clickhouse"
 log = logging.getLogger("trainmon.clickhouse")
@@ -73,6 +74,7 @@ def configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("kafka").setLevel(logging.WARNING)
+    logging.getLogger("kafka.coordinator").setLevel(logging.INFO)  # joins and rebalances
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         create_all(client, target.database)
+        ensure_topics(args.topic_prefix)
         with sql_endpoint_for(target, not args.no_sql_endpoint):
             loader = Loader(client, database=target.database, group_id=args.group,
                             topic_prefix=args.topic_prefix, max_rows=args.batch_rows,
