@@ -170,3 +170,46 @@ def test_sigterm_writes_the_last_batch_and_commits(kafka_broker, bootstrap, topi
         assert {tp: consumer.committed(tp) or 0 for tp in partitions} == ends
     finally:
         consumer.close()
+
+
+def test_a_rebalance_with_rows_buffered_writes_each_once(kafka_broker, bootstrap, topic_prefix, tmp_path):
+    """Another member joins while the service holds a buffered batch that ClickHouse
+    rejects in part: the hand-over must neither stall nor lose or duplicate a row."""
+    kafka_broker.create_topics(topics.all_topics(topic_prefix))
+    step_topic = topics.topic_for("step", topic_prefix)
+    good = [StepRecord(**envelope(i, rank=0), step=i, epoch=0, step_tokens=1, duration_ms=1,
+                       loss=1, norm=1, lr=1) for i in range(3)]
+    too_big = good[0].model_copy(update={"event_id": "too-big", "step": 99, "num_params": 2**70})
+    raw = KafkaProducer(bootstrap_servers=bootstrap)
+    for record in [*good, too_big]:
+        raw.send(step_topic, key=b"rt-run/0", value=encode(record), partition=0)
+    raw.flush()
+    raw.close()
+
+    service = ClickHouseService(bootstrap, topic_prefix, tmp_path / "chdb", tmp_path / "svc.log")
+    service.start("--batch-ms", "600000")  # rows stay buffered until a rebalance or SIGTERM
+    deadline = time.monotonic() + 60
+    while "receiving records" not in service.log.read_text():
+        assert time.monotonic() < deadline, service.log.read_text()[-3000:]
+        time.sleep(0.1)
+
+    group = f"{topic_prefix}clickhouse"
+    intruder = KafkaConsumer(*topics.all_topics(topic_prefix)[:-1], bootstrap_servers=bootstrap,
+                             group_id=group, enable_auto_commit=False)
+    try:
+        while not intruder.assignment():  # joined: the service has been through a revocation
+            intruder.poll(timeout_ms=200, max_records=1)
+            assert time.monotonic() < deadline + 60, service.log.read_text()[-3000:]
+    finally:
+        intruder.close(autocommit=False)
+    log = service.log.read_text()
+    assert "Revoking previously assigned partitions {" in log, log[-3000:]
+
+    # Everything back with the service; SIGTERM writes what it holds.
+    service.wait_for("SELECT 1", 1)
+    time.sleep(3)
+    assert service.stop() == 0
+    assert service.rows("SELECT step, count() AS n FROM trainmon.step GROUP BY step ORDER BY step") == \
+        [{"step": i, "n": 1} for i in range(3)]
+    letters = read_topic(bootstrap, topics.topic_for(topics.DEADLETTER, topic_prefix), 1)
+    assert [base64.b64decode(json.loads(m.value)["value_base64"]) for m in letters] == [encode(too_big)]

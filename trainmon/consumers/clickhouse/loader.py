@@ -92,7 +92,9 @@ class Loader:
             self._owned.difference_update(partitions)
             for tp, messages in self.buffers.take(only=set(partitions)).items():
                 try:
-                    self._insert_partition(tp, messages, attempts=3)
+                    # No dead-lettering here: a Kafka send from kafka-python's IO thread
+                    # can stall the rebalance itself (it waits on that same thread).
+                    self._insert_partition(tp, messages, attempts=3, dead_letter=False)
                 except ClickHouseError as exc:
                     # Not written: read them again should the partition come back to us.
                     self._rewind[tp] = messages[0].offset
@@ -128,7 +130,7 @@ class Loader:
         return self._inserted_since_commit or self.dead_letters > self._dead_letters_committed
 
     def _insert_partition(self, tp: TopicPartition, messages: list[Message],
-                          attempts: int | None = None) -> None:
+                          attempts: int | None = None, dead_letter: bool = True) -> None:
         token = f"{tp.topic}-{tp.partition}-{messages[0].offset}-{messages[-1].offset}"
         attempt = 0
         while True:
@@ -136,6 +138,8 @@ class Loader:
                 self._insert(tp, messages, token)
                 break
             except DataError as exc:
+                if not dead_letter:
+                    raise
                 # The batch could not be encoded: find and dead-letter the culprits.
                 log.warning("batch %s rejected (%s); inserting its records one by one", token, exc)
                 self._insert_one_by_one(tp, messages)
