@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from trainmon.consumers.clickhouse.cli import OUTPUT_SETTINGS
 from trainmon.consumers.clickhouse.sql_endpoint import find_endpoint, query_endpoint
 
@@ -29,6 +31,20 @@ def trainmon_env(bootstrap: str, **extra) -> dict:
 def run_trainmon(bootstrap: str, *args: str, timeout: float = 120, **env) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "trainmon", *args], env=trainmon_env(bootstrap, **env),
                           capture_output=True, text=True, timeout=timeout)
+
+
+_STARTED: list[subprocess.Popen] = []
+
+
+@pytest.fixture(autouse=True)
+def kill_leftover_services():
+    """A test that fails before stopping its service must not leave it running."""
+    yield
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
 
 
 class ClickHouseService:
@@ -48,6 +64,7 @@ class ClickHouseService:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, env=trainmon_env(self.bootstrap, **{**self.env, **env}),
                                          stdout=log, stderr=subprocess.STDOUT)
+        _STARTED.append(self.proc)
         deadline = time.monotonic() + 60
         while find_endpoint(self.path) is None or self._endpoint_pid() != self.proc.pid:
             if self.proc.poll() is not None:

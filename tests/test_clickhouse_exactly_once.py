@@ -10,6 +10,7 @@ from kafka import KafkaConsumer, TopicPartition
 from trainmon import topics
 
 from .clickhouse_service import ClickHouseService, run_trainmon
+from .clickhouse_service import kill_leftover_services  # noqa: F401 (autouse fixture)
 
 RANKS, STEPS = 4, 240
 

@@ -16,6 +16,7 @@ from trainmon.schemas import (RECORD_TYPES, AlertRecord, AllocatorRecord, Datase
                               GpuModelRecord, GpuRecord, MoeRecord, RunRecord, StepRecord, encode)
 
 from .clickhouse_service import ClickHouseService, run_trainmon
+from .clickhouse_service import kill_leftover_services  # noqa: F401 (autouse fixture)
 from .conftest import read_topic
 
 T0 = datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=timezone.utc)

@@ -11,6 +11,7 @@ import pytest
 from trainmon.schemas import RECORD_TYPES, AlertRecord, EvalRecord, RunRecord, StepRecord
 
 from .clickhouse_service import ClickHouseService, run_trainmon
+from .clickhouse_service import kill_leftover_services  # noqa: F401 (autouse fixture)
 
 T0 = datetime(2026, 4, 1, 8, 0, 0, tzinfo=timezone.utc)
 DURATIONS = {0: [100.0, 110.0, 120.0], 1: [150.0, 90.0, 130.0]}
