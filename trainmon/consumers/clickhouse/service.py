@@ -17,6 +17,8 @@ import sys
 from contextlib import contextmanager
 from dataclasses import replace
 
+from clickhouse_connect.driver.exceptions import OperationalError
+
 from ... import kafka_config
 from ..stream import stop_on_signals
 from .client import EngineBusy, Target, connect
@@ -98,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         client = connect(target)
     except EngineBusy as exc:
         log.error("%s", exc)
+        return 1
+    except OperationalError as exc:  # server unreachable: the supervisor restarts us
+        log.error("cannot reach ClickHouse at %s: %s", target.describe(), exc)
         return 1
     try:
         create_all(client, target.database)
