@@ -29,39 +29,43 @@ class AlertPublisher:
                                        retries=2**31 - 1, max_block_ms=10_000)
 
     def publish(self, alerts: list[AlertRecord], stop: threading.Event | None = None) -> bool:
-        """Send and wait until Kafka has them all; retried while Kafka is away. False only
-        if ``stop`` was set before everything was delivered."""
-        pending = [a for a in alerts if a.event_id not in self.published]
+        """Send and wait until Kafka has them all. A send that failed is sent again after a
+        backoff; one still in flight is waited for, never sent twice. False only if
+        ``stop`` was set before everything was delivered."""
+        stop = stop or threading.Event()
+        inflight = [(a, self._send(a)) for a in alerts if a.event_id not in self.published]
         backoff = 0.5
-        while pending:
-            futures = []
-            for alert in pending:
-                try:
-                    futures.append((alert, self._producer.send(
-                        self.topic, key=alert.incident_id.encode(), value=encode(alert))))
-                except KafkaError as exc:
-                    futures.append((alert, exc))
+        while inflight:
             try:
-                self._producer.flush(timeout=30)
+                self._producer.flush(timeout=5)
             except KafkaError:
                 pass
-            failed = []
-            for alert, future in futures:
-                if isinstance(future, Exception) or not future.is_done or future.failed():
+            waiting, failed = [], []
+            for alert, future in inflight:
+                if isinstance(future, Exception) or (future.is_done and future.failed()):
                     failed.append(alert)
-                else:
+                elif future.is_done:
                     self.published.add(alert.event_id)
                     self.sent += 1
+                else:
+                    waiting.append((alert, future))
             if failed:
-                log.warning("trainmon alerts: %d alert(s) not yet on %s; retrying in %.1f s",
+                log.warning("trainmon alerts: %d alert(s) not accepted by %s; sending again in %.1f s",
                             len(failed), self.topic, backoff)
-                if stop is not None and stop.wait(backoff):
+                if stop.wait(backoff):
                     return False
-                if stop is None:
-                    time.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)
-            pending = failed
+                waiting.extend((alert, self._send(alert)) for alert in failed)
+            elif waiting and stop.is_set():
+                return False
+            inflight = waiting
         return True
+
+    def _send(self, alert: AlertRecord):
+        try:
+            return self._producer.send(self.topic, key=alert.incident_id.encode(), value=encode(alert))
+        except KafkaError as exc:  # no metadata within max_block_ms: Kafka is away
+            return exc
 
     def close(self) -> None:
         self._producer.close(timeout=10)
