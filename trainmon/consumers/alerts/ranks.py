@@ -22,7 +22,7 @@ class StragglerRule(Rule):
     kinds = ("step",)
     # Ranks sit on different partitions, which are not read in lockstep: a step waits until
     # every rank reported it; past this many waiting steps the oldest is judged as it is.
-    MAX_PENDING_STEPS = 64
+    MAX_PENDING_STEPS = 256
 
     def observe(self, r, t, run, rank):
         value = r.duration_ms if self.cfg.timer is None else (r.timers or {}).get(self.cfg.timer)
