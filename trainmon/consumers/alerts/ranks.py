@@ -36,7 +36,9 @@ class StragglerRule(Rule):
             by_rank = pending[r.step] = {}
         by_rank[rank.rank] = (value, t)
         out = []
-        if len(by_rank) >= run.reporting_ranks():
+        # Ranks not seen yet (their partition is read later) are still expected: judging
+        # without them could leave the straggler's own values with no peers at all.
+        if len(by_rank) >= run.reporting_ranks() + max(0, run.world_size - len(run.ranks)):
             out.extend(self._judge(run, r.step, pending.pop(r.step)))
         while len(pending) > self.MAX_PENDING_STEPS:
             oldest = min(pending)
