@@ -13,7 +13,7 @@ from kafka import KafkaConsumer
 from trainmon import topics
 from trainmon.broker import Broker
 from trainmon.producer import Producer, ProducerConfig
-from trainmon.schemas import decode
+from trainmon.schemas import decode, unpack
 
 
 @pytest.fixture(scope="session")
@@ -52,7 +52,8 @@ def make_producer(bootstrap, topic_prefix, tmp_path):
 
 
 def read_topic(bootstrap: str, topic: str, expected: int, timeout: float = 30.0) -> list:
-    """Raw messages of one topic from the beginning, waiting until ``expected`` arrived."""
+    """Raw Kafka messages of one topic from the beginning, waiting until ``expected``
+    messages arrived (of a record topic, use read_records: a message packs records)."""
     consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
                              enable_auto_commit=False, group_id=None)
     messages = []
@@ -72,8 +73,23 @@ def read_topic(bootstrap: str, topic: str, expected: int, timeout: float = 30.0)
 
 
 def read_records(bootstrap: str, prefix: str, kind: str, expected: int, timeout: float = 30.0):
-    return [decode(kind, m.value) for m in
-            read_topic(bootstrap, topics.topic_for(kind, prefix), expected, timeout)]
+    """The records of one kind from the beginning, waiting until ``expected`` arrived."""
+    consumer = KafkaConsumer(topics.topic_for(kind, prefix), bootstrap_servers=bootstrap,
+                             auto_offset_reset="earliest", enable_auto_commit=False, group_id=None)
+    values: list[bytes] = []
+    deadline = time.monotonic() + timeout
+
+    def poll() -> None:
+        for batch in consumer.poll(timeout_ms=500).values():
+            values.extend(value for m in batch for value in unpack(m.value))
+
+    try:
+        while len(values) < expected and time.monotonic() < deadline:
+            poll()
+        poll()  # give stragglers (duplicates) a moment to show up, too
+    finally:
+        consumer.close()
+    return [decode(kind, v) for v in values]
 
 
 REPO = Path(__file__).resolve().parents[1]

@@ -13,7 +13,8 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from trainmon import topics
 from trainmon.consumers.clickhouse.readback import record_from_row
 from trainmon.schemas import (RECORD_TYPES, AlertRecord, AllocatorRecord, DatasetRecord, EvalRecord,
-                              GpuModelRecord, GpuRecord, MoeRecord, RunRecord, StepRecord, encode)
+                              GpuModelRecord, GpuRecord, MoeRecord, RunRecord, StepRecord, encode,
+                              pack)
 
 from .clickhouse_service import ClickHouseService, run_trainmon
 from .clickhouse_service import kill_leftover_services  # noqa: F401 (autouse fixture)
@@ -140,6 +141,34 @@ def test_poison_messages_are_dead_lettered_and_the_service_goes_on(
         assert service.stop() == 0
     log = service.log.read_text()
     assert " 4 dead letters" in log, log[-2000:]
+
+
+def test_a_bad_record_inside_a_packed_message_is_dead_lettered_alone(bootstrap, topic_prefix, tmp_path):
+    """One Kafka message packs five records; the second is not JSON and the fourth is
+    beyond what ClickHouse stores: those two go to the dead-letter topic, the other three
+    land, in one insert, with the message's offset."""
+    step_topic = topics.topic_for("step", topic_prefix)
+    good = [StepRecord(**envelope(i, rank=0), step=i, epoch=0, step_tokens=1, duration_ms=1,
+                       loss=1, norm=1, lr=1) for i in range(3)]
+    too_big = good[0].model_copy(update={"event_id": "too-big", "step": 99, "num_params": 2**70})
+    lines = [encode(good[0]), b"{broken", encode(good[1]), encode(too_big), encode(good[2])]
+    raw = KafkaProducer(bootstrap_servers=bootstrap)
+    offset = raw.send(step_topic, key=b"rt-run/0", value=pack(lines), partition=0).get(30).offset
+    raw.close()
+
+    service = ClickHouseService(bootstrap, topic_prefix, tmp_path / "chdb", tmp_path / "svc.log").start()
+    try:
+        service.wait_for("SELECT groupArray(step) FROM (SELECT step FROM trainmon.step ORDER BY step)",
+                         [0, 1, 2])
+        letters = [json.loads(m.value) for m in
+                   read_topic(bootstrap, topics.topic_for(topics.DEADLETTER, topic_prefix), 2)]
+        assert [(b["offset"], b["index"]) for b in letters] == [(offset, 1), (offset, 3)]
+        assert [base64.b64decode(b["value_base64"]) for b in letters] == [lines[1], lines[3]]
+        assert letters[0]["error"].startswith("not JSON") and "num_params" in letters[1]["error"]
+        assert service.rows("SELECT _offset, count() AS n FROM trainmon.step GROUP BY _offset") == \
+            [{"_offset": offset, "n": 3}]
+    finally:
+        assert service.stop() == 0
 
 
 def test_sigterm_writes_the_last_batch_and_commits(kafka_broker, bootstrap, topic_prefix, make_producer,

@@ -3,7 +3,8 @@
 import math
 
 from trainmon import topics
-from trainmon.schemas import RECORD_TYPES, encode
+from trainmon.producer.worker import MAX_MESSAGE_BYTES, MAX_RECORDS_PER_MESSAGE, pack_messages
+from trainmon.schemas import RECORD_TYPES, encode, unpack
 
 from .conftest import read_records
 from .samples import log_one_of_each
@@ -73,3 +74,32 @@ def test_topic_per_kind_and_key_per_rank(make_producer, bootstrap, topic_prefix)
     assert producer.flush(20)
     [message] = read_topic(bootstrap, topics.topic_for("eval", topic_prefix), 1)
     assert message.key == b"keys/5"
+
+
+def test_records_are_packed_per_topic_and_key_in_order_within_the_limits():
+    entries = [("t.step", b"r/0", b"s%d" % i) for i in range(MAX_RECORDS_PER_MESSAGE + 10)]
+    entries.insert(3, ("t.eval", b"r/0", b"e0"))
+    entries.insert(7, ("t.step", b"r/1", b"other"))
+    entries += [("t.gpu", b"r/0", b"x" * (MAX_MESSAGE_BYTES // 2))] * 3
+    messages = pack_messages(entries)
+    assert [(t, k, len(unpack(v))) for t, k, v in messages] == [
+        ("t.step", b"r/0", MAX_RECORDS_PER_MESSAGE), ("t.step", b"r/0", 10), ("t.eval", b"r/0", 1),
+        ("t.step", b"r/1", 1), ("t.gpu", b"r/0", 1), ("t.gpu", b"r/0", 1), ("t.gpu", b"r/0", 1)]
+    assert [v for t, k, v in messages if (t, k) == ("t.step", b"r/0")] == [
+        b"\n".join(b"s%d" % i for i in range(MAX_RECORDS_PER_MESSAGE)),
+        b"\n".join(b"s%d" % i for i in range(MAX_RECORDS_PER_MESSAGE, MAX_RECORDS_PER_MESSAGE + 10))]
+    assert all(len(v) <= MAX_MESSAGE_BYTES for _, _, v in messages)
+
+
+def test_a_burst_travels_in_few_messages(make_producer, bootstrap, topic_prefix):
+    from .conftest import read_topic
+
+    producer = make_producer(run_id="burst", rank=0, world_size=1)
+    for step in range(2000):
+        producer.log_step(step, step_tokens=1024, duration_ms=10.0, loss=1.0, norm=1.0, lr=1e-4)
+    assert producer.flush(30) and producer._worker.sent == 2000
+    messages = read_topic(bootstrap, topics.topic_for("step", topic_prefix), 4)
+    assert 4 <= len(messages) < 100
+    assert sum(len(unpack(m.value)) for m in messages) == 2000
+    received = read_records(bootstrap, topic_prefix, "step", 2000)
+    assert [r.step for r in received] == list(range(2000))

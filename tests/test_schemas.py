@@ -7,7 +7,8 @@ from datetime import datetime, timezone
 import pytest
 from pydantic import ValidationError
 
-from trainmon.schemas import RECORD_TYPES, DecodeError, EvalRecord, StepRecord, decode, encode
+from trainmon.schemas import (RECORD_TYPES, DecodeError, EvalRecord, StepRecord, count, decode, encode,
+                              pack, unpack)
 
 ENVELOPE = dict(run_id="r", rank=0, world_size=2, host="h", time=datetime.now(timezone.utc),
                 event_id="e-1")
@@ -63,6 +64,18 @@ def test_decode_errors_say_why():
         decode("step", encode(step()).replace(b'"schema_version":1', b'"schema_version":7'))
     with pytest.raises(DecodeError, match="unknown record kind"):
         decode("nope", b"{}")
+
+
+def test_a_message_packs_records_as_json_lines():
+    # A newline inside a string is escaped by JSON, so it cannot split a record.
+    records = [step(step=i, **({"timers": {"a\nb": 1.0}} if i == 1 else {})) for i in range(3)]
+    value = pack([encode(r) for r in records])
+    assert count(value) == 3 and value.count(b"\n") == 2
+    assert [decode("step", v) for v in unpack(value)] == records
+    # Hand-written JSON Lines: CRLF and blank lines are fine; nothing at all is one bad record.
+    assert unpack(encode(records[0]) + b"\r\n\r\n" + encode(records[2]) + b"\n") == \
+        [encode(records[0]), encode(records[2])]
+    assert unpack(b"") == [b""] and unpack(b"\n") == [b"\n"]
 
 
 def test_schema_command_prints_every_record_type():

@@ -1,9 +1,11 @@
 """A consumer group over record topics: decoded records, dead letters, explicit commits.
 
 Every consumer (ClickHouse, alerts, W&B, Aim, TensorBoard) reads through this class:
-it decodes each message into its pydantic record, sends anything undecodable to the
-dead-letter topic with the error and the original bytes, and commits only the offsets
-the caller says it has durably handled.
+it unpacks each Kafka message into its records (one or more, see ``schemas.pack``),
+decodes each into its pydantic model, sends anything undecodable to the dead-letter
+topic with the error and the original bytes, and commits only the offsets the caller
+says it has durably handled. A message's records share its offset and are always
+handed out together, so "everything before offset N" stays a whole-message notion.
 """
 
 from __future__ import annotations
@@ -20,20 +22,24 @@ from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer, Topic
 from kafka.structs import OffsetAndMetadata
 
 from .. import kafka_config, topics
-from ..schemas import RECORD_TYPES, DecodeError, Record, decode
+from ..schemas import RECORD_TYPES, DecodeError, Record, decode, unpack
 
 log = logging.getLogger("trainmon.consumers")
 
 
 @dataclass
 class Message:
+    """One record, with where it came from: ``index`` is its place in the Kafka message
+    at ``offset``, ``value`` its own bytes."""
+
     kind: str
     topic: str
     partition: int
     offset: int
     key: bytes | None
     value: bytes
-    record: Record
+    record: Record | None = None
+    index: int = 0
 
 
 class RecordStream:
@@ -65,20 +71,22 @@ class RecordStream:
         for tp, records in batches.items():
             kind = topics.kind_of(tp.topic, self.prefix)
             for m in records:
-                try:
-                    record = decode(kind, m.value)
-                except DecodeError as exc:
-                    self.dead_letter(m, exc.reason)
-                    continue
-                messages.append(Message(kind, tp.topic, tp.partition, m.offset, m.key, m.value, record))
+                for index, value in enumerate(unpack(m.value or b"")):
+                    message = Message(kind, tp.topic, tp.partition, m.offset, m.key, value, index=index)
+                    try:
+                        message.record = decode(kind, value)
+                    except DecodeError as exc:
+                        self.dead_letter(message, exc.reason)
+                        continue
+                    messages.append(message)
         return messages
 
-    def dead_letter(self, message, error: str) -> None:
-        """Publish a message we cannot use, with why, and keep going."""
+    def dead_letter(self, message: Message, error: str) -> None:
+        """Publish a record we cannot use, with why, and keep going."""
         self.dead_letters += 1
         if self.dead_letters <= 5:
-            log.warning("trainmon: dead-lettering %s[%d]@%d: %s", message.topic,
-                        message.partition, message.offset, error)
+            log.warning("trainmon: dead-lettering %s[%d]@%d#%d: %s", message.topic,
+                        message.partition, message.offset, message.index, error)
         if self._dlq is None:
             self._dlq = KafkaProducer(**self._settings, linger_ms=5)
         body = {
@@ -86,6 +94,7 @@ class RecordStream:
             "topic": message.topic,
             "partition": message.partition,
             "offset": message.offset,
+            "index": message.index,
             "error": error,
             "key": message.key.decode("utf-8", "replace") if message.key else None,
             "value_base64": base64.b64encode(message.value or b"").decode(),

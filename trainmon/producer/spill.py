@@ -14,7 +14,9 @@ import threading
 import uuid
 from pathlib import Path
 
-Entry = tuple[str, bytes, bytes]  # topic, key, value
+from ..schemas import count
+
+Entry = tuple[str, bytes, bytes]  # topic, key, message value (one or more records)
 
 SUFFIX = ".spill"
 
@@ -40,7 +42,7 @@ class SpillFile:
         self.path = self.directory / f"{name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{SUFFIX}"
         self._lock = threading.Lock()
         self._fd: int | None = None
-        self.count = 0  # entries waiting in the file
+        self.count = 0  # records waiting in the file
 
     def _open(self) -> int:
         if self._fd is None:
@@ -55,7 +57,7 @@ class SpillFile:
         data = _dump(entries).encode()
         with self._lock:
             os.write(self._open(), data)
-            self.count += len(entries)
+            self.count += sum(count(value) for _, _, value in entries)
 
     def take(self) -> list[Entry]:
         """Everything waiting, in order; the file is emptied."""

@@ -11,6 +11,7 @@ import logging
 import threading
 from typing import Callable, Protocol
 
+from ..schemas import count
 from .spill import Entry
 
 log = logging.getLogger("trainmon.producer")
@@ -33,7 +34,7 @@ class KafkaTransport:
         self._on_undelivered = on_undelivered
         # kafka-python 3 has no buffer_memory bound: while the broker is away its
         # accumulator would grow without limit, so we cap unacknowledged records here
-        # and the worker spills to disk beyond the cap.
+        # and the worker spills to disk beyond the cap (counted in records, not messages).
         self._max_in_flight = max_in_flight
         self._in_flight = 0
         self._lock = threading.Lock()
@@ -63,19 +64,21 @@ class KafkaTransport:
             future = producer.send(topic, key=key, value=value)
         except KafkaError as exc:  # metadata not available within max_block_ms
             raise TransportUnavailable(str(exc)) from exc
+        records = count(value)
         with self._lock:
-            self._in_flight += 1
-        future.add_callback(self._delivered)
-        future.add_errback(self._undelivered, entry)
+            self._in_flight += records
+        future.add_callback(self._delivered, records)
+        future.add_errback(self._undelivered, entry, records)
 
-    def _delivered(self, _metadata) -> None:
+    # kafka-python calls these on its sender thread, with the bound arguments first.
+    def _delivered(self, records: int, _metadata) -> None:
         with self._lock:
-            self._in_flight -= 1
+            self._in_flight -= records
 
-    def _undelivered(self, exc: BaseException, entry: Entry) -> None:
+    def _undelivered(self, entry: Entry, records: int, exc: BaseException) -> None:
         with self._lock:
-            self._in_flight -= 1
-        log.debug("trainmon: Kafka gave up on a record (%s); spilling it", exc)
+            self._in_flight -= records
+        log.debug("trainmon: Kafka gave up on a message of %d records (%s); spilling it", records, exc)
         self._on_undelivered([entry])
 
     def flush(self, timeout: float) -> bool:

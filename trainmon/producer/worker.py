@@ -16,7 +16,7 @@ import weakref
 from collections import deque
 from typing import Callable
 
-from ..schemas import Record, encode
+from ..schemas import Record, count, encode, pack
 from .spill import Entry, SpillFile, claim_orphans
 from .transport import TransportUnavailable
 
@@ -27,7 +27,11 @@ Observer = Callable[[Record], None]
 
 _WAKE_AT = 2000  # queued records that wake the worker before its next tick
 _TICK_S = 0.02
-_YIELD_EVERY = 16  # the worker's drain interval: the most a record waits before it is sent
+_YIELD_EVERY = 16  # records encoded between two GIL hand-backs to the training thread
+# One Kafka message holds up to this many records of one (topic, key); the bytes bound
+# keeps a message well under Kafka's 1 MB default message.max.bytes.
+MAX_RECORDS_PER_MESSAGE = 500
+MAX_MESSAGE_BYTES = 256 * 1024
 
 
 class _Flush:
@@ -156,10 +160,11 @@ class Worker:
         return topic, key, encode(record)
 
     def _deliver(self, entries: list[Entry]) -> None:
+        messages = pack_messages(entries)
         if time.monotonic() < self._retry_at:
-            self._spill.append(entries)
+            self._spill.append(messages)
             return
-        pending = self._spill.take() + entries
+        pending = self._spill.take() + messages
         for i, entry in enumerate(pending):
             try:
                 self._transport.send(entry)
@@ -171,7 +176,7 @@ class Worker:
                 self._retry_at = time.monotonic() + self._backoff
                 self._backoff = min(self._backoff * 2, 5.0)
                 return
-            self.sent += 1
+            self.sent += count(entry[2])
         self._backoff = 0.5
 
     def _finish_flush(self, marker: _Flush) -> None:
@@ -182,3 +187,22 @@ class Worker:
         marker.ok = (remaining > 0 and self._transport.flush(remaining)
                      and self._spill.count == 0)
         marker.done.set()
+
+
+def pack_messages(entries: list[Entry]) -> list[Entry]:
+    """Encoded records -> Kafka messages: the records of each (topic, key) packed in
+    order, up to MAX_RECORDS_PER_MESSAGE and MAX_MESSAGE_BYTES per message."""
+    by_key: dict[tuple[str, bytes], list[bytes]] = {}
+    for topic, key, value in entries:
+        by_key.setdefault((topic, key), []).append(value)
+    messages: list[Entry] = []
+    for (topic, key), values in by_key.items():
+        start, size = 0, 0
+        for i, value in enumerate(values):
+            if i > start and (i - start >= MAX_RECORDS_PER_MESSAGE
+                              or size + len(value) > MAX_MESSAGE_BYTES):
+                messages.append((topic, key, pack(values[start:i])))
+                start, size = i, 0
+            size += len(value) + 1
+        messages.append((topic, key, pack(values[start:])))
+    return messages

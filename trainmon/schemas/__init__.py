@@ -1,7 +1,11 @@
 """Record schemas: one pydantic model per record type, and their wire encoding.
 
 ``RECORD_TYPES`` maps a kind ("step", "eval", ...) to its model; each kind has its own
-Kafka topic. The wire format is the model's JSON (NaN / Infinity kept as constants).
+Kafka topic. The wire format is the model's JSON (NaN / Infinity kept as constants),
+and one Kafka message carries one or more records of one kind from one rank as JSON
+Lines (``pack`` / ``unpack``). Kafka's per-message cost in kafka-python (~30 µs of CPU
+to send, ~10 µs to fetch) is far above a record's own, so producers pack what they
+have ready into one message, as OTLP exporters do with spans.
 """
 
 from __future__ import annotations
@@ -44,6 +48,24 @@ def encode(record: Record) -> bytes:
     return record.model_dump_json(exclude_none=True).encode()
 
 
+def pack(encoded: list[bytes]) -> bytes:
+    """One message value from encoded records. Compact JSON never holds a raw newline
+    (one inside a string is escaped), so the newline separates records safely."""
+    return b"\n".join(encoded)
+
+
+def unpack(value: bytes) -> list[bytes]:
+    """The records of one message value. Blank lines are skipped; a value with nothing
+    else comes back whole, so it is reported as not JSON rather than dropped."""
+    lines = [line for line in value.splitlines() if line.strip()]
+    return lines or [value]
+
+
+def count(value: bytes) -> int:
+    """How many records a message value produced by ``pack`` holds."""
+    return value.count(b"\n") + 1
+
+
 def decode(kind: str, data: bytes) -> Record:
     """Parse one message of topic ``kind``; raises DecodeError naming what is wrong."""
     model = RECORD_TYPES.get(kind)
@@ -80,7 +102,7 @@ def json_schemas() -> dict[str, dict]:
 
 
 __all__ = [
-    "RECORD_TYPES", "SCHEMA_VERSION", "DecodeError", "Record", "decode", "encode", "json_schemas",
+    "RECORD_TYPES", "SCHEMA_VERSION", "DecodeError", "Record", "count", "decode", "encode", "json_schemas", "pack", "unpack",
     "StepRecord", "EvalRecord", "MoeRecord", "GpuRecord", "AllocatorRecord", "AllocatorSegment",
     "DatasetRecord", "GpuModelRecord", "RunRecord", "AlertRecord",
 ]

@@ -13,7 +13,7 @@ import time
 from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 from kafka.errors import KafkaError
 
-from ...schemas import AlertRecord, DecodeError, decode, encode
+from ...schemas import AlertRecord, DecodeError, decode, encode, unpack
 
 log = logging.getLogger("trainmon.alerts")
 
@@ -107,11 +107,12 @@ class AlertLog:
                 raise TimeoutError(f"reading {self.topic} back took over {timeout_s:.0f} s")
             for batch in self._consumer.poll(timeout_ms=500).values():
                 for m in batch:
-                    try:
-                        alerts.append(decode("alert", m.value))
-                    except DecodeError as exc:
-                        log.warning("trainmon alerts: skipping an undecodable alert at %s[%d]@%d: %s",
-                                    m.topic, m.partition, m.offset, exc.reason)
+                    for value in unpack(m.value or b""):
+                        try:
+                            alerts.append(decode("alert", value))
+                        except DecodeError as exc:
+                            log.warning("trainmon alerts: skipping an undecodable alert at %s[%d]@%d: %s",
+                                        m.topic, m.partition, m.offset, exc.reason)
         alerts.sort(key=lambda a: a.time)
         return alerts
 

@@ -38,11 +38,12 @@ def to_columns(kind: str, records: Sequence[Record]) -> tuple[list[str], list[li
 
 def insert_batch(client, kind: str, records: Sequence[Record], *, database: str = DEFAULT_DATABASE,
                  kafka: tuple[str, int, Sequence[int]] | None = None,
-                 dedup_token: str | None = None) -> None:
+                 dedup_token: str | None = None, table: str | None = None) -> None:
     """Insert records of one kind as one column batch.
 
     ``kafka`` = (topic, partition, offsets) fills the bookkeeping columns. ``dedup_token``
     makes a retry of the identical batch a no-op (MergeTree insert deduplication).
+    ``table`` overrides the kind's own table (``database.kind``).
     """
     if not records:
         return
@@ -52,7 +53,7 @@ def insert_batch(client, kind: str, records: Sequence[Record], *, database: str 
     names += KAFKA_COLUMNS
     values += [[topic] * n, [partition] * n, list(offsets)]
     settings = {"insert_deduplication_token": dedup_token} if dedup_token else None
-    client.insert(f"{database}.{kind}", values, column_names=names, column_oriented=True,
+    client.insert(table or f"{database}.{kind}", values, column_names=names, column_oriented=True,
                   settings=settings)
 
 

@@ -182,6 +182,15 @@ def create_table_sql(kind: str, database: str) -> str:
             f"SETTINGS non_replicated_deduplication_window = {DEDUP_WINDOW}")
 
 
+def create_probe_table(client, kind: str, database: str) -> str:
+    """A Null-engine twin of a kind's table (stores nothing): inserting a record there
+    tells whether ClickHouse can take it without writing it. Returns its name."""
+    name = f"{database}._probe_{kind}"
+    client.command(f"DROP TABLE IF EXISTS {name}")  # fresh, in case the table was migrated
+    client.command(f"CREATE TABLE {name} AS {database}.{kind} ENGINE = Null")
+    return name
+
+
 def existing_columns(client, database: str, table: str) -> list[str]:
     result = client.query("SELECT name FROM system.columns WHERE database = {db:String} "
                           "AND table = {t:String} ORDER BY position",

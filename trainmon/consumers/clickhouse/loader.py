@@ -13,7 +13,11 @@ and ``trainmon replay``.
 - On revocation, buffered rows of the revoked partitions are written before the hand-over
   (inserts and revocations take one lock, so no batch of a partition lands after it was
   handed over); the next owner starts from ``max(_offset) + 1``.
-- A record ClickHouse cannot take (e.g. an int beyond Int64) is dead-lettered alone.
+- A record ClickHouse cannot take (e.g. an int beyond Int64) is dead-lettered alone; the
+  rest of its batch still goes in as one insert, so no batch is ever half written.
+
+A Kafka message packs several records (``schemas.pack``); they share its offset, are
+polled together and so always land in the same batch.
 
 kafka-python 3 runs rebalance callbacks on its IO thread, where blocking Kafka calls
 (commit, committed) are refused; the callbacks here only query ClickHouse and seek.
@@ -35,6 +39,7 @@ from clickhouse_connect.driver.exceptions import DataError, Error as ClickHouseE
 from ..stream import Message, RecordStream
 from .batches import PartitionBuffers
 from .columns import insert_batch
+from .ddl import create_probe_table
 from .offsets import stored_positions
 
 log = logging.getLogger("trainmon.clickhouse")
@@ -138,12 +143,13 @@ class Loader:
                 self._insert(tp, messages, token)
                 break
             except DataError as exc:
-                if not dead_letter:
+                if not dead_letter or token.endswith("-checked"):
                     raise
-                # The batch could not be encoded: find and dead-letter the culprits.
-                log.warning("batch %s rejected (%s); inserting its records one by one", token, exc)
-                self._insert_one_by_one(tp, messages)
-                break
+                log.warning("batch %s rejected (%s); checking its records one by one", token, exc)
+                messages = self._without_culprits(messages)
+                token += "-checked"
+                if not messages:
+                    break
             except ClickHouseError as exc:
                 attempt += 1
                 self.insert_retries += 1
@@ -164,13 +170,19 @@ class Loader:
         self.rows_inserted += len(messages)
         self._inserted_since_commit = True
 
-    def _insert_one_by_one(self, tp: TopicPartition, messages: list[Message]) -> None:
+    def _without_culprits(self, messages: list[Message]) -> list[Message]:
+        """Dead-letter the records ClickHouse cannot take; return the others. Each is
+        tried alone against a Null-engine twin of its table, which stores nothing."""
+        probe = create_probe_table(self.client, messages[0].kind, self.database)
+        good = []
         for m in messages:
             try:
-                self._insert(tp, [m], f"{tp.topic}-{tp.partition}-{m.offset}-{m.offset}")
+                insert_batch(self.client, m.kind, [m.record], table=probe)
+                good.append(m)
             except DataError as exc:
                 self.stream.dead_letter(m, f"ClickHouse cannot store this {m.kind} record: "
                                            f"{str(exc).splitlines()[0]}")
+        return good
 
     # -- the loop -------------------------------------------------------------------
 
