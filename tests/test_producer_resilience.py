@@ -91,6 +91,31 @@ def test_records_spilled_at_exit_are_sent_by_the_next_producer(own_broker, tmp_p
     assert not list(spill.glob("*.spill"))
 
 
+def test_records_kafka_gives_up_on_are_spilled_and_sent_later(own_broker, tmp_path):
+    """Records already handed to kafka-python when the broker dies come back through its
+    errbacks (batches aborted at close) into the spill file, and the next producer sends them."""
+    own_broker.start()
+    spill = tmp_path / "spill"
+    config = dict(bootstrap=own_broker.bootstrap, run_id="abort", rank=0, topic_prefix="a.",
+                  spill_dir=spill)
+    first = Producer(ProducerConfig(**config))
+    first.log_step(0, **step_fields(0))
+    assert first.flush(30)
+    own_broker.stop()
+    for step in range(1, 31):
+        first.log_step(step, **step_fields(step))
+    time.sleep(0.5)  # the worker hands them to kafka-python, whose metadata is still cached
+    assert first._worker.sent == 31 and first.spilled == 0
+    assert not first.close(timeout=2)
+    assert first.spilled == 30, "aborted batches should be spilled, record by record counted"
+
+    own_broker.start()
+    second = Producer(ProducerConfig(**config))
+    assert second.close(timeout=30)
+    received = read_records(own_broker.bootstrap, "a.", "step", 31)
+    assert_exactly_once(received, 31)
+
+
 def test_strict_mode_raises_a_field_named_error(make_producer):
     producer = make_producer(strict=True)
     with pytest.raises(ValidationError, match="step_tokens"):

@@ -29,15 +29,18 @@ class Transport(Protocol):
 
 class KafkaTransport:
     def __init__(self, settings: dict, on_undelivered: Callable[[list[Entry]], None],
-                 max_in_flight: int = 50_000):
+                 max_in_flight: int = 50_000, room_wait_s: float = 1.0):
         self._settings = settings
         self._on_undelivered = on_undelivered
         # kafka-python 3 has no buffer_memory bound: while the broker is away its
-        # accumulator would grow without limit, so we cap unacknowledged records here
-        # and the worker spills to disk beyond the cap (counted in records, not messages).
+        # accumulator would grow without limit, so we cap unacknowledged records here.
+        # At the cap a send waits (on the worker thread, never the caller's) for
+        # acknowledgements; a broker that acknowledges nothing for room_wait_s counts as
+        # unavailable and the worker spills to disk.
         self._max_in_flight = max_in_flight
+        self._room_wait_s = room_wait_s
         self._in_flight = 0
-        self._lock = threading.Lock()
+        self._room = threading.Condition()
         self._producer = None
 
     def _connect(self):
@@ -58,26 +61,30 @@ class KafkaTransport:
 
         topic, key, value = entry
         producer = self._connect()
-        if self._in_flight >= self._max_in_flight:
-            raise TransportUnavailable(f"{self._in_flight} records unacknowledged by Kafka")
+        with self._room:
+            if not self._room.wait_for(lambda: self._in_flight < self._max_in_flight,
+                                       self._room_wait_s):
+                raise TransportUnavailable(f"{self._in_flight} records unacknowledged by Kafka")
         try:
             future = producer.send(topic, key=key, value=value)
         except KafkaError as exc:  # metadata not available within max_block_ms
             raise TransportUnavailable(str(exc)) from exc
         records = count(value)
-        with self._lock:
+        with self._room:
             self._in_flight += records
         future.add_callback(self._delivered, records)
         future.add_errback(self._undelivered, entry, records)
 
     # kafka-python calls these on its sender thread, with the bound arguments first.
     def _delivered(self, records: int, _metadata) -> None:
-        with self._lock:
+        with self._room:
             self._in_flight -= records
+            self._room.notify()
 
     def _undelivered(self, entry: Entry, records: int, exc: BaseException) -> None:
-        with self._lock:
+        with self._room:
             self._in_flight -= records
+            self._room.notify()
         log.debug("trainmon: Kafka gave up on a message of %d records (%s); spilling it", records, exc)
         self._on_undelivered([entry])
 
@@ -93,16 +100,29 @@ class KafkaTransport:
             return False
 
     def close(self, timeout: float) -> None:
-        if self._producer is not None:
-            # Batches still unsent when the timeout ends are aborted; their errbacks spill them.
-            self._producer.close(timeout=timeout)
-            self._producer = None
+        from kafka.errors import KafkaError, KafkaTimeoutError
+
+        if self._producer is None:
+            return
+        producer, self._producer = self._producer, None
+        try:
+            producer.close(timeout=timeout)
+        except KafkaTimeoutError:
+            # kafka-python 3.0.12's close() flushes first and raises when the flush times
+            # out, before reaching its own force-close. Do what that would have done:
+            # abort the unsent batches (their errbacks spill them) and let the sender end.
+            producer._sender.force_close()
+            producer._sender.join(5)
+            try:
+                producer.close(timeout=0)
+            except KafkaError:
+                pass
 
     def forget_after_fork(self) -> None:
         # The parent's producer, sockets and sender thread belong to the parent.
         self._producer = None
         self._in_flight = 0
-        self._lock = threading.Lock()
+        self._room = threading.Condition()
 
 
 def kafka_settings(bootstrap: str, extra: dict, *, linger_ms: int, batch_size: int,

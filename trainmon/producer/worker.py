@@ -180,9 +180,13 @@ class Worker:
         self._backoff = 0.5
 
     def _finish_flush(self, marker: _Flush) -> None:
-        if self._spill.count:
+        # Records spilled because Kafka was slow or away go out first; keep at it until
+        # the deadline, as a large backlog only fits into Kafka as acknowledgements come.
+        while self._spill.count and time.monotonic() < marker.deadline:
             self._retry_at = 0.0
             self._deliver([])
+            if self._spill.count:
+                time.sleep(min(0.2, max(0.0, marker.deadline - time.monotonic())))
         remaining = marker.deadline - time.monotonic()
         marker.ok = (remaining > 0 and self._transport.flush(remaining)
                      and self._spill.count == 0)
