@@ -30,7 +30,7 @@ CONSUMERS = {
 }
 
 
-def _call(target: str, extra: str | None, argv: list[str]) -> int:
+def _call(target: str, extra: str | None, argv: list[str], streaming: bool = False) -> int:
     module_name, func = target.split(":")
     try:
         module = importlib.import_module(module_name)
@@ -40,6 +40,10 @@ def _call(target: str, extra: str | None, argv: list[str]) -> int:
                   file=sys.stderr)
             return 2
         raise
+    if streaming:
+        from .consumers.gc_tuning import tune_for_streaming
+
+        tune_for_streaming()
     return getattr(module, func)(argv) or 0
 
 
@@ -102,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Consumers: " + ", ".join(CONSUMERS))
     p.add_argument("name", choices=list(CONSUMERS))
     p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=lambda a: _call(*CONSUMERS[a.name], a.rest))
+    p.set_defaults(func=lambda a: _call(*CONSUMERS[a.name], a.rest, streaming=True))
 
     for name, (target, extra) in DELEGATED.items():
         p = sub.add_parser(name, add_help=False, help=f"see 'trainmon {name} --help'")
@@ -115,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in DELEGATED:
         # Straight through: argparse's REMAINDER drops leading options ("sql --path P ...").
-        return _call(*DELEGATED[argv[0]], argv[1:])
+        return _call(*DELEGATED[argv[0]], argv[1:], streaming=argv[0] == "replay")
     args = build_parser().parse_args(argv)
     return args.func(args)
 

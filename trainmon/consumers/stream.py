@@ -27,7 +27,7 @@ from ..schemas import RECORD_TYPES, DecodeError, Record, decode, unpack
 log = logging.getLogger("trainmon.consumers")
 
 
-@dataclass
+@dataclass(slots=True)
 class Message:
     """One record, with where it came from: ``index`` is its place in the Kafka message
     at ``offset``, ``value`` its own bytes."""

@@ -26,8 +26,12 @@ class PartitionBuffers:
             return
         if self._oldest is None:
             self._oldest = time.monotonic()
-        for m in messages:
-            self._by_partition[TopicPartition(m.topic, m.partition)].append(m)
+        last, bucket = None, None
+        for m in messages:  # polled messages come in runs of one partition
+            if (m.topic, m.partition) != last:
+                last = (m.topic, m.partition)
+                bucket = self._by_partition[TopicPartition(*last)]
+            bucket.append(m)
         self.rows += len(messages)
 
     def due(self) -> bool:

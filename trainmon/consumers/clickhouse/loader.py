@@ -110,8 +110,8 @@ class Loader:
 
     def _buffer(self, messages: list[Message]) -> None:
         with self._lock:
-            owned = self._owned
-            self.buffers.add([m for m in messages if TopicPartition(m.topic, m.partition) in owned])
+            owned = self._owned  # TopicPartition is a namedtuple: a plain tuple finds it
+            self.buffers.add([m for m in messages if (m.topic, m.partition) in owned])
 
     def flush_and_commit(self, final: bool = False) -> None:
         with self._lock:
