@@ -23,6 +23,7 @@ from kafka.structs import OffsetAndMetadata
 
 from .. import kafka_config, topics
 from ..schemas import RECORD_TYPES, DecodeError, Record, decode, unpack
+from .watchdog import KafkaCallWatchdog
 
 log = logging.getLogger("trainmon.consumers")
 
@@ -57,6 +58,7 @@ class RecordStream:
                         auto_offset_reset="earliest", max_poll_records=10_000,
                         fetch_max_bytes=64 * 1024 * 1024, **consumer_settings)
         self.consumer = KafkaConsumer(**settings)
+        self._watchdog = KafkaCallWatchdog.from_env(env, name=group_id)
         self._dlq: KafkaProducer | None = None
         listener = _Rebalance(on_assign, on_revoke) if on_assign or on_revoke else None
         topic_names = [topics.topic_for(k, self.prefix) for k in self.kinds]
@@ -66,7 +68,8 @@ class RecordStream:
             self.consumer.subscribe(topic_names)
 
     def poll(self, timeout_ms: int = 500, max_records: int | None = None) -> list[Message]:
-        batches = self.consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
+        with self._watchdog.watch("poll"):
+            batches = self.consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
         messages: list[Message] = []
         for tp, records in batches.items():
             kind = topics.kind_of(tp.topic, self.prefix)
@@ -112,13 +115,15 @@ class RecordStream:
         if self._dlq is not None:
             self._dlq.flush(10)  # dead letters are durable before their offsets are committed
         if offsets:
-            self.consumer.commit({tp: OffsetAndMetadata(o, "", -1) for tp, o in offsets.items()})
+            with self._watchdog.watch("commit"):
+                self.consumer.commit({tp: OffsetAndMetadata(o, "", -1) for tp, o in offsets.items()})
 
     def commit_polled(self) -> None:
         """Commit the positions of everything polled so far (dead letters included)."""
         if self._dlq is not None:
             self._dlq.flush(10)
-        self.consumer.commit()
+        with self._watchdog.watch("commit"):
+            self.consumer.commit()
 
     def close(self) -> None:
         if self._dlq is not None:
