@@ -3,8 +3,8 @@
 import math
 
 from trainmon import topics
-from trainmon.producer.worker import MAX_MESSAGE_BYTES, MAX_RECORDS_PER_MESSAGE, pack_messages
-from trainmon.schemas import RECORD_TYPES, encode, unpack
+from trainmon.producer.worker import pack_messages
+from trainmon.schemas import MAX_MESSAGE_BYTES, MAX_RECORDS_PER_MESSAGE, RECORD_TYPES, encode, unpack
 
 from .conftest import read_records
 from .samples import log_one_of_each

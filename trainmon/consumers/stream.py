@@ -22,7 +22,7 @@ from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer, Topic
 from kafka.structs import OffsetAndMetadata
 
 from .. import kafka_config, topics
-from ..schemas import RECORD_TYPES, DecodeError, Record, decode, unpack
+from ..schemas import MAX_RECORDS_PER_MESSAGE, RECORD_TYPES, DecodeError, Record, decode, unpack
 from .watchdog import KafkaCallWatchdog
 
 log = logging.getLogger("trainmon.consumers")
@@ -44,6 +44,8 @@ class Message:
 
 
 class RecordStream:
+    MAX_RECORDS = 10_000  # per poll, unless the caller asks for fewer
+
     def __init__(self, group_id: str, kinds: Iterable[str] | None = None, *,
                  topic_prefix: str | None = None, env: dict | None = None,
                  on_assign: Callable[[list[TopicPartition]], None] | None = None,
@@ -54,12 +56,15 @@ class RecordStream:
         self.kinds = list(kinds or RECORD_TYPES)
         self.dead_letters = 0
         self._settings = kafka_config.client_settings(env)
+        # fetch_max_bytes is the hard bound on one poll: 8 MiB is ~30k records of ~300 bytes.
         settings = dict(self._settings, group_id=group_id, enable_auto_commit=False,
-                        auto_offset_reset="earliest", max_poll_records=10_000,
-                        fetch_max_bytes=64 * 1024 * 1024, **consumer_settings)
+                        auto_offset_reset="earliest", max_poll_records=self.MAX_RECORDS,
+                        fetch_max_bytes=8 * 1024 * 1024, **consumer_settings)
         self.consumer = KafkaConsumer(**settings)
         self._watchdog = KafkaCallWatchdog.from_env(env, name=group_id)
         self._dlq: KafkaProducer | None = None
+        # Start from the most a message can pack: a first poll too small, never too big.
+        self._records_per_message = float(MAX_RECORDS_PER_MESSAGE)
         listener = _Rebalance(on_assign, on_revoke) if on_assign or on_revoke else None
         topic_names = [topics.topic_for(k, self.prefix) for k in self.kinds]
         if listener:
@@ -68,9 +73,17 @@ class RecordStream:
             self.consumer.subscribe(topic_names)
 
     def poll(self, timeout_ms: int = 500, max_records: int | None = None) -> list[Message]:
+        """Records polled within ``timeout_ms``: about ``max_records`` at most (whole Kafka
+        messages, so a poll can overshoot by one message's worth or by a misjudged guess,
+        within fetch_max_bytes)."""
+        # kafka-python counts Kafka messages, which pack records: ask for as many messages
+        # as the last poll's records per message suggest.
+        wanted = max(1, int(min(max_records or self.MAX_RECORDS, self.MAX_RECORDS)
+                            / self._records_per_message))
         with self._watchdog.watch("poll"):
-            batches = self.consumer.poll(timeout_ms=timeout_ms, max_records=max_records)
+            batches = self.consumer.poll(timeout_ms=timeout_ms, max_records=wanted)
         messages: list[Message] = []
+        fetched = sum(len(records) for records in batches.values())
         for tp, records in batches.items():
             kind = topics.kind_of(tp.topic, self.prefix)
             for m in records:
@@ -82,6 +95,8 @@ class RecordStream:
                         self.dead_letter(message, exc.reason)
                         continue
                     messages.append(message)
+        if fetched:
+            self._records_per_message = max(1.0, len(messages) / fetched)
         return messages
 
     def dead_letter(self, message: Message, error: str) -> None:

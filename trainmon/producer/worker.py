@@ -16,7 +16,7 @@ import weakref
 from collections import deque
 from typing import Callable
 
-from ..schemas import Record, count, encode, pack
+from ..schemas import MAX_MESSAGE_BYTES, MAX_RECORDS_PER_MESSAGE, Record, count, encode, pack
 from .spill import Entry, SpillFile, claim_orphans
 from .transport import TransportUnavailable
 
@@ -28,10 +28,6 @@ Observer = Callable[[Record], None]
 _WAKE_AT = 2000  # queued records that wake the worker before its next tick
 _TICK_S = 0.02
 _YIELD_EVERY = 16  # records encoded between two GIL hand-backs to the training thread
-# One Kafka message holds up to this many records of one (topic, key); the bytes bound
-# keeps a message well under Kafka's 1 MB default message.max.bytes.
-MAX_RECORDS_PER_MESSAGE = 500
-MAX_MESSAGE_BYTES = 256 * 1024
 
 
 class _Flush:

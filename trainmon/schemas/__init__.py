@@ -48,6 +48,12 @@ def encode(record: Record) -> bytes:
     return record.model_dump_json(exclude_none=True).encode()
 
 
+# Producers put up to this many records of one (topic, key) into one message; the bytes
+# bound keeps a message well under Kafka's 1 MB default message.max.bytes.
+MAX_RECORDS_PER_MESSAGE = 500
+MAX_MESSAGE_BYTES = 256 * 1024
+
+
 def pack(encoded: list[bytes]) -> bytes:
     """One message value from encoded records. Compact JSON never holds a raw newline
     (one inside a string is escaped), so the newline separates records safely."""
@@ -102,7 +108,8 @@ def json_schemas() -> dict[str, dict]:
 
 
 __all__ = [
-    "RECORD_TYPES", "SCHEMA_VERSION", "DecodeError", "Record", "count", "decode", "encode", "json_schemas", "pack", "unpack",
+    "MAX_MESSAGE_BYTES", "MAX_RECORDS_PER_MESSAGE", "RECORD_TYPES", "SCHEMA_VERSION", "DecodeError",
+    "Record", "count", "decode", "encode", "json_schemas", "pack", "unpack",
     "StepRecord", "EvalRecord", "MoeRecord", "GpuRecord", "AllocatorRecord", "AllocatorSegment",
     "DatasetRecord", "GpuModelRecord", "RunRecord", "AlertRecord",
 ]
