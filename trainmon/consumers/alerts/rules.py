@@ -86,27 +86,88 @@ class WindowRule(Rule):
         return self.window_type(self.cfg.window, data)
 
 
-class GradSpikeRule(WindowRule):
-    window_type = RollingMean
+class BaselineRule(WindowRule):
+    """Judges a step field against a limit set by a baseline (median or mean) of its recent
+    values, then adds the value to the window. A rule gives the ``limit`` for a baseline and
+    the ``detail`` of its alert (the text after "<what> on run R, rank N, step S: ")."""
+
+    field, what, baseline = "", "", "median"
+    above = True  # which side of the limit is bad
+    skip_non_finite = True  # a NaN or inf value is neither judged nor kept
+    needs_positive_baseline = True  # a baseline <= 0 would make every value a spike: no verdict
 
     def observe(self, r, t, run, rank):
-        norm = r.norm
-        if not math.isfinite(norm):
+        value = getattr(r, self.field)
+        if value is None or (self.skip_non_finite and not math.isfinite(value)):
             return None
         window = rank.slot(self)
         out = None
-        if len(window) >= self.cfg.min_samples and window.mean > 0:
-            mean = window.mean
-            limit = self.cfg.factor * mean
-            if norm > limit:
-                out = self.bad(run, rank, step=r.step, t=t, value=norm, threshold=limit, message=(
-                    f"grad norm spike on run {run.run_id}, rank {rank.rank}, step {r.step}: "
-                    f"{_g(norm)} is {norm / mean:.1f}x its moving average {_g(mean)} "
-                    f"(limit {self.cfg.factor:g}x)"))
-            else:
-                out = self.good(run, rank, step=r.step, t=t, value=norm)
-        window.push(norm)
+        if len(window) >= self.cfg.min_samples:
+            base = getattr(window, self.baseline)
+            if base > 0 or not self.needs_positive_baseline:
+                limit = self.limit(base)
+                if self.breached(value, base, limit):
+                    out = self.bad(run, rank, step=r.step, t=t, value=value, threshold=limit, message=(
+                        f"{self.what} on run {run.run_id}, rank {rank.rank}, step {r.step}: "
+                        f"{self.detail(value, base)}"))
+                else:
+                    out = self.good(run, rank, step=r.step, t=t, value=value)
+        window.push(value)
         return out
+
+    def breached(self, value, base, limit) -> bool:
+        return (value > limit) if self.above else (value < limit)
+
+
+class GradSpikeRule(BaselineRule):
+    window_type, baseline = RollingMean, "mean"
+    field, what = "norm", "grad norm spike"
+
+    def limit(self, mean):
+        return self.cfg.factor * mean
+
+    def detail(self, norm, mean):
+        return (f"{_g(norm)} is {norm / mean:.1f}x its moving average {_g(mean)} "
+                f"(limit {self.cfg.factor:g}x)")
+
+
+class LossSpikeRule(BaselineRule):
+    field, what = "loss", "loss spike"
+
+    def limit(self, median):
+        return (1.0 + self.cfg.rise) * median
+
+    def detail(self, loss, median):
+        return (f"{_g(loss)} is {100 * (loss / median - 1):.0f}% above the recent median "
+                f"{_g(median)} (limit +{100 * self.cfg.rise:g}%)")
+
+
+class IterationTimeSpikeRule(BaselineRule):
+    field, what = "duration_ms", "iteration time spike"
+    skip_non_finite = False  # durations are validated >= 0 (never NaN); an inf one is judged
+    needs_positive_baseline = False  # a zero median (all-zero durations) reports healthy
+
+    def limit(self, median):
+        return self.cfg.factor * median
+
+    def breached(self, duration, median, limit):
+        return median > 0 and duration > limit
+
+    def detail(self, duration, median):
+        return (f"{duration:.0f} ms is {duration / median:.1f}x the recent median "
+                f"{median:.0f} ms (limit {self.cfg.factor:g}x)")
+
+
+class ThroughputDropRule(BaselineRule):
+    field, what, above = "tokens_per_second", "throughput drop", False
+    needs_positive_baseline = False  # a zero median gives a limit of 0: judged, so healthy
+
+    def limit(self, median):
+        return (1.0 - self.cfg.drop) * median
+
+    def detail(self, tps, median):
+        return (f"{tps:,.0f} tokens/s is {100 * (1 - tps / median):.0f}% below the recent "
+                f"median {median:,.0f} (limit -{100 * self.cfg.drop:g}%)")
 
 
 class NonFiniteRule(Rule):
@@ -149,28 +210,6 @@ class DeadGradientsRule(Rule):
         return self.good(run, rank, step=r.step, t=t, value=r.norm)
 
 
-class LossSpikeRule(WindowRule):
-    def observe(self, r, t, run, rank):
-        loss = r.loss
-        if not math.isfinite(loss):
-            return None
-        window = rank.slot(self)
-        out = None
-        if len(window) >= self.cfg.min_samples:
-            median = window.median
-            if median > 0:
-                limit = (1.0 + self.cfg.rise) * median
-                if loss > limit:
-                    out = self.bad(run, rank, step=r.step, t=t, value=loss, threshold=limit, message=(
-                        f"loss spike on run {run.run_id}, rank {rank.rank}, step {r.step}: "
-                        f"{_g(loss)} is {100 * (loss / median - 1):.0f}% above the recent median "
-                        f"{_g(median)} (limit +{100 * self.cfg.rise:g}%)"))
-                else:
-                    out = self.good(run, rank, step=r.step, t=t, value=loss)
-        window.push(loss)
-        return out
-
-
 class LossPlateauRule(WindowRule):
     window_type = TwoHalves
 
@@ -191,46 +230,6 @@ class LossPlateauRule(WindowRule):
                 f"last {halves.half} steps vs {_g(older)} over the {halves.half} before, "
                 f"up to step {r.step}"))
         return self.good(run, rank, step=r.step, t=t, value=newer)
-
-
-class IterationTimeSpikeRule(WindowRule):
-    def observe(self, r, t, run, rank):
-        duration = r.duration_ms
-        window = rank.slot(self)
-        out = None
-        if len(window) >= self.cfg.min_samples:
-            median = window.median
-            limit = self.cfg.factor * median
-            if median > 0 and duration > limit:
-                out = self.bad(run, rank, step=r.step, t=t, value=duration, threshold=limit, message=(
-                    f"iteration time spike on run {run.run_id}, rank {rank.rank}, step {r.step}: "
-                    f"{duration:.0f} ms is {duration / median:.1f}x the recent median "
-                    f"{median:.0f} ms (limit {self.cfg.factor:g}x)"))
-            else:
-                out = self.good(run, rank, step=r.step, t=t, value=duration)
-        window.push(duration)
-        return out
-
-
-class ThroughputDropRule(WindowRule):
-    def observe(self, r, t, run, rank):
-        tps = r.tokens_per_second
-        if tps is None or not math.isfinite(tps):
-            return None
-        window = rank.slot(self)
-        out = None
-        if len(window) >= self.cfg.min_samples:
-            median = window.median
-            limit = (1.0 - self.cfg.drop) * median
-            if tps < limit:
-                out = self.bad(run, rank, step=r.step, t=t, value=tps, threshold=limit, message=(
-                    f"throughput drop on run {run.run_id}, rank {rank.rank}, step {r.step}: "
-                    f"{tps:,.0f} tokens/s is {100 * (1 - tps / median):.0f}% below the recent "
-                    f"median {median:,.0f} (limit -{100 * self.cfg.drop:g}%)"))
-            else:
-                out = self.good(run, rank, step=r.step, t=t, value=tps)
-        window.push(tps)
-        return out
 
 
 class LrZeroRule(Rule):
