@@ -80,3 +80,17 @@ def test_mismatch_message_reads_like_nccl_ras():
     assert alert.rule == "rank_mismatch" and alert.ranks == [3, 7] and alert.step == 1233
     assert "14 ranks at step 1234, 2 ranks at step 1233 (ranks 3, 7)" in alert.message
     assert engine.tick(now=t0 + 1236 + 70) == []  # still open: not again
+
+
+def test_mismatch_still_fires_when_the_lagging_rank_is_read_after_a_tick():
+    """Rank 3's steps reach the engine only after the others' (another partition, read
+    later) and after a tick: the step times it is behind must still be known then."""
+    engine = AlertEngine(load_config(env={"TRAINMON_ALERT_RANK_MISMATCH_GRACE_S": "10"}))
+    t0 = 1.7e9
+    records = synthetic_run("late", t0=t0, ranks=8, steps=61, stop_rank_at={3: 40}, end=False)
+    rank3_steps = [r for r in records if r.rank == 3 and r.kind != "run"]
+    assert run_engine(engine, [r for r in records if r not in rank3_steps]) == []
+    assert engine.tick() == []  # 7 ranks, all at step 60
+    run_engine(engine, rank3_steps)
+    (alert,) = engine.tick()  # by record time: rank 3 silent since step 41, 20 s ago
+    assert alert.rule == "rank_mismatch" and alert.ranks == [3] and alert.step == 40

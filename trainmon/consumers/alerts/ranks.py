@@ -103,7 +103,10 @@ class RankMismatchRule(TickRule):
         active = run.active_ranks()
         if len(active) < 2:
             return self.good_run(run, now)
-        run.forget_steps_up_to(min(rs.last_step for rs in active))
+        # A rank with no step yet (its partition read later, e.g. when a producer's packed
+        # messages arrive rank by rank) still needs the times of the steps it is behind.
+        if sum(rs.last_step is not None for rs in run.ranks.values()) >= run.world_size:
+            run.forget_steps_up_to(min(rs.last_step for rs in active))
         lagging, worst = [], 0.0
         for rs in active:
             if run.max_step - rs.last_step >= self.cfg.min_steps_behind:
