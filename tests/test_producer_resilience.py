@@ -116,6 +116,67 @@ def test_records_kafka_gives_up_on_are_spilled_and_sent_later(own_broker, tmp_pa
     assert_exactly_once(received, 31)
 
 
+def test_a_record_too_large_for_kafka_is_rejected_by_name_and_holds_nothing_back(
+        make_producer, bootstrap, topic_prefix, caplog):
+    producer = make_producer()
+    with caplog.at_level(logging.WARNING, logger="trainmon.producer"):
+        producer.run_start(config={"vocab": "x" * 1_100_000})  # valid, but over 1 MB of JSON
+        for step in range(5):
+            producer.log_step(step, **step_fields(step))
+        assert producer.flush(30)
+    assert producer.rejected == {"run": 1}
+    assert "'config'" in caplog.text and "over the" in caplog.text and "Kafka message" in caplog.text
+    assert [r.step for r in read_records(bootstrap, topic_prefix, "step", 5)] == list(range(5))
+    assert read_records(bootstrap, topic_prefix, "run", 0, timeout=2) == []
+
+
+def test_a_small_max_request_size_sends_packed_records_one_per_message(
+        make_producer, bootstrap, topic_prefix):
+    # kafka-python refuses a 9 kB packed message before sending it: its records go again
+    # one per message; a record over the limit by itself is rejected by name up front.
+    producer = make_producer(compression=None, kafka={"max_request_size": 3000})
+    for step in range(30):
+        timers = {f"phase-{i}": 1.0 for i in range(200)} if step == 7 else None  # ~3.4 kB
+        producer.log_step(step, timers=timers, **step_fields(step))
+    assert producer.flush(30)
+    assert producer.rejected == {"step": 1} and producer._worker._transport.dropped == 0
+    received = read_records(bootstrap, topic_prefix, "step", 29)
+    assert sorted(r.step for r in received) == [s for s in range(30) if s != 7]
+    assert_exactly_once(received, 29)
+
+
+def test_a_topic_limit_below_the_batch_size_names_the_setting_and_keeps_the_records(
+        bootstrap, topic_prefix, tmp_path, caplog):
+    """The broker refuses batches over the topic's max.message.bytes: the error says which
+    setting to raise and the records wait in the spill file; once the limit is raised, the
+    next producer sends every one of them."""
+    from kafka import KafkaAdminClient
+    from kafka.admin import ConfigResource, ConfigResourceType, NewTopic
+
+    from trainmon import topics
+
+    topic = topics.topic_for("step", topic_prefix)
+    config = dict(bootstrap=bootstrap, topic_prefix=topic_prefix, run_id="limit",
+                  spill_dir=tmp_path / "spill", compression=None)  # the limit is on stored bytes
+    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
+    try:
+        admin.create_topics([NewTopic(topic, 1, 1, topic_configs={"max.message.bytes": "3000"})])
+        first = Producer(ProducerConfig(**config))
+        with caplog.at_level(logging.ERROR, logger="trainmon.producer"):
+            for step in range(30):  # ~300 bytes each, ~9 kB packed
+                first.log_step(step, **step_fields(step))
+            assert not first.flush(5)
+            first.close(timeout=2)
+        assert "max.message.bytes" in caplog.text and first.spilled == 30
+        admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic,
+                                            configs={"max.message.bytes": "1048588"})])
+    finally:
+        admin.close()
+    assert Producer(ProducerConfig(**config)).close(timeout=30)
+    received = read_records(bootstrap, topic_prefix, "step", 30, timeout=30)
+    assert_exactly_once(received, 30)
+
+
 def test_strict_mode_raises_a_field_named_error(make_producer):
     producer = make_producer(strict=True)
     with pytest.raises(ValidationError, match="step_tokens"):

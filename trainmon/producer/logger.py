@@ -56,7 +56,9 @@ class Producer:
                                   batch_size=cfg.batch_size, compression=cfg.compression)
         self._worker = Worker(lambda on_undelivered: KafkaTransport(settings, on_undelivered),
                               cfg.spill_dir, f"{_safe(cfg.run_id)}.{cfg.rank}",
-                              queue_size=cfg.queue_size, observers=observers)
+                              queue_size=cfg.queue_size, observers=observers,
+                              max_record_bytes=settings.get("max_request_size", 1 << 20) - 1024,
+                              on_reject=lambda record, reason: self._reject(record.kind, reason))
         self_ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: (p := self_ref()) and p._new_id_prefix())
         atexit.register(_close_at_exit, self_ref)
@@ -92,7 +94,7 @@ class Producer:
             else topics.record_key(record.run_id, record.rank)
         self._worker.submit(topic, key, record)
 
-    def _reject(self, kind: str, exc: ValidationError) -> None:
+    def _reject(self, kind: str, exc: ValidationError | str) -> None:
         count = self.rejected.get(kind, 0)
         self.rejected[kind] = count + 1
         if count == 0:

@@ -11,7 +11,7 @@ import logging
 import threading
 from typing import Callable, Protocol
 
-from ..schemas import count
+from ..schemas import count, unpack
 from .spill import Entry
 
 log = logging.getLogger("trainmon.producer")
@@ -42,6 +42,8 @@ class KafkaTransport:
         self._in_flight = 0
         self._room = threading.Condition()
         self._producer = None
+        self.dropped = 0  # records over max_request_size even one per message
+        self._told_topic_limit = False
 
     def _connect(self):
         from kafka import KafkaProducer
@@ -57,7 +59,7 @@ class KafkaTransport:
         return self._producer
 
     def send(self, entry: Entry) -> None:
-        from kafka.errors import KafkaError
+        from kafka.errors import KafkaError, MessageSizeTooLargeError
 
         topic, key, value = entry
         producer = self._connect()
@@ -67,6 +69,9 @@ class KafkaTransport:
                 raise TransportUnavailable(f"{self._in_flight} records unacknowledged by Kafka")
         try:
             future = producer.send(topic, key=key, value=value)
+        except MessageSizeTooLargeError as exc:  # over max_request_size
+            self._too_large(entry, exc)
+            return
         except KafkaError as exc:  # metadata not available within max_block_ms
             raise TransportUnavailable(str(exc)) from exc
         records = count(value)
@@ -82,11 +87,35 @@ class KafkaTransport:
             self._room.notify()
 
     def _undelivered(self, entry: Entry, records: int, exc: BaseException) -> None:
+        from kafka.errors import MessageSizeTooLargeError
+
         with self._room:
             self._in_flight -= records
             self._room.notify()
+        if isinstance(exc, MessageSizeTooLargeError) and not self._told_topic_limit:
+            # The broker judges whole batches (batch_size, 256 KiB), not single records:
+            # only a bigger topic limit helps. The records wait in the spill file till then
+            # (kafka-python's idempotent sequence may stay stuck until the job restarts).
+            self._told_topic_limit = True
+            log.error("trainmon: Kafka refused a batch for %s as too large: the topic's "
+                      "max.message.bytes is below the producer's batch_size (%s bytes); raise it "
+                      "(Kafka's default is 1 MB). The records are kept in the spill file.",
+                      entry[0], f"{self._settings.get('batch_size', 0):,}")
         log.debug("trainmon: Kafka gave up on a message of %d records (%s); spilling it", records, exc)
         self._on_undelivered([entry])
+
+    def _too_large(self, entry: Entry, exc: BaseException) -> None:
+        """A message over max_request_size, refused before it was sent. Packed records go
+        back one per message; a single record that big (the worker rejects those before
+        they get here) is dropped, so that it cannot hold back the records behind it."""
+        topic, key, value = entry
+        records = unpack(value)
+        if len(records) > 1:
+            self._on_undelivered([(topic, key, record) for record in records])
+            return
+        self.dropped += 1
+        log.error("trainmon: Kafka refused a %s-byte record on %s as too large; dropped it (%s)",
+                  f"{len(value):,}", topic, exc)
 
     def flush(self, timeout: float) -> bool:
         from kafka.errors import KafkaError

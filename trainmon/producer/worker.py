@@ -8,6 +8,7 @@ Sentry SDK's worker: never block the caller, flush at exit.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -23,6 +24,7 @@ from .transport import TransportUnavailable
 log = logging.getLogger("trainmon.producer")
 
 Observer = Callable[[Record], None]
+Rejecter = Callable[[Record, str], None]
 
 
 _WAKE_AT = 2000  # queued records that wake the worker before its next tick
@@ -43,12 +45,18 @@ class _Stop:
 
 class Worker:
     def __init__(self, make_transport, spill_dir, spill_name: str, queue_size: int = 100_000,
-                 observers: list[Observer] | None = None):
+                 observers: list[Observer] | None = None, max_record_bytes: int = 1_000_000,
+                 on_reject: Rejecter | None = None):
         self._make_transport = make_transport
         self._spill_dir = spill_dir
         self._spill_name = spill_name
         self._queue_size = queue_size
         self._observers = observers or []
+        # Kafka refuses a message over its size limit on every retry: such a record would
+        # sit at the head of the spill file and hold back every record behind it.
+        self._max_record_bytes = max_record_bytes
+        self._on_reject = on_reject or (lambda record, reason: log.error(
+            "trainmon: dropped a %s record: %s", record.kind, reason))
         self.sent = 0
         self._reset()
         self_ref = weakref.ref(self)
@@ -80,7 +88,9 @@ class Worker:
             self._start()
         if len(self._items) >= self._queue_size:
             # The worker is far behind: keep memory bounded and the record safe on disk.
-            self._spill.append([(topic, key, encode(record))])
+            entry = self._checked(topic, key, record)
+            if entry is not None:
+                self._spill.append([entry])
             return
         self._items.append((topic, key, record))
         # The worker drains on its own every few ms; waking it per record would make it
@@ -132,7 +142,9 @@ class Worker:
             while self._items:
                 item = self._items.popleft()
                 if isinstance(item, tuple):
-                    entries.append(self._encode(item))
+                    entry = self._encode(item)
+                    if entry is not None:
+                        entries.append(entry)
                     if len(entries) % _YIELD_EVERY == 0:
                         # Hand the GIL back to the training thread now and then, instead
                         # of making it wait out the interpreter's 5 ms switch interval.
@@ -146,14 +158,21 @@ class Worker:
             if entries or (self._spill.count and time.monotonic() >= self._retry_at):
                 self._deliver(entries)
 
-    def _encode(self, item: tuple) -> Entry:
+    def _encode(self, item: tuple) -> Entry | None:
         topic, key, record = item
         for observe in self._observers:
             try:
                 observe(record)
             except Exception:  # a local log sink must never cost a record
                 log.exception("trainmon: local log sink failed")
-        return topic, key, encode(record)
+        return self._checked(topic, key, record)
+
+    def _checked(self, topic: str, key: bytes, record: Record) -> Entry | None:
+        value = encode(record)
+        if len(value) > self._max_record_bytes:
+            self._on_reject(record, too_large(record, len(value), self._max_record_bytes))
+            return None
+        return topic, key, value
 
     def _deliver(self, entries: list[Entry]) -> None:
         messages = pack_messages(entries)
@@ -206,3 +225,13 @@ def pack_messages(entries: list[Entry]) -> list[Entry]:
             size += len(value) + 1
         messages.append((topic, key, pack(values[start:])))
     return messages
+
+
+def too_large(record: Record, size: int, limit: int) -> str:
+    """Why a record cannot go to Kafka, naming its largest field."""
+    sizes = {name: len(json.dumps(value, default=str)) for name, value in record.__dict__.items()}
+    field = max(sizes, key=sizes.get)
+    step = getattr(record, "step", None)
+    return (f"{size:,} bytes of JSON{f' at step {step}' if step is not None else ''}, over the "
+            f"{limit:,}-byte limit of one Kafka message; its largest field is {field!r} "
+            f"(~{sizes[field]:,} bytes)")
