@@ -51,44 +51,36 @@ def make_producer(bootstrap, topic_prefix, tmp_path):
         producer.close(timeout=5)
 
 
-def read_topic(bootstrap: str, topic: str, expected: int, timeout: float = 30.0) -> list:
-    """Raw Kafka messages of one topic from the beginning, waiting until ``expected``
-    messages arrived (of a record topic, use read_records: a message packs records)."""
+def _read(bootstrap: str, topic: str, expected: int, timeout: float, items) -> list:
+    """``items(message)`` of one topic from the beginning, until ``expected`` arrived."""
     consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
                              enable_auto_commit=False, group_id=None)
-    messages = []
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            for batch in consumer.poll(timeout_ms=500).values():
-                messages.extend(batch)
-            if len(messages) >= expected:
-                # Give stragglers (duplicates) a moment to show up, too.
-                for batch in consumer.poll(timeout_ms=500).values():
-                    messages.extend(batch)
-                break
-    finally:
-        consumer.close()
-    return messages
-
-
-def read_records(bootstrap: str, prefix: str, kind: str, expected: int, timeout: float = 30.0):
-    """The records of one kind from the beginning, waiting until ``expected`` arrived."""
-    consumer = KafkaConsumer(topics.topic_for(kind, prefix), bootstrap_servers=bootstrap,
-                             auto_offset_reset="earliest", enable_auto_commit=False, group_id=None)
-    values: list[bytes] = []
+    out: list = []
     deadline = time.monotonic() + timeout
 
     def poll() -> None:
         for batch in consumer.poll(timeout_ms=500).values():
-            values.extend(value for m in batch for value in unpack(m.value))
+            out.extend(item for m in batch for item in items(m))
 
     try:
-        while len(values) < expected and time.monotonic() < deadline:
+        while len(out) < expected and time.monotonic() < deadline:
             poll()
         poll()  # give stragglers (duplicates) a moment to show up, too
     finally:
         consumer.close()
+    return out
+
+
+def read_topic(bootstrap: str, topic: str, expected: int, timeout: float = 30.0) -> list:
+    """Raw Kafka messages of one topic from the beginning, waiting until ``expected``
+    messages arrived (of a record topic, use read_records: a message packs records)."""
+    return _read(bootstrap, topic, expected, timeout, lambda m: [m])
+
+
+def read_records(bootstrap: str, prefix: str, kind: str, expected: int, timeout: float = 30.0):
+    """The records of one kind from the beginning, waiting until ``expected`` arrived."""
+    values = _read(bootstrap, topics.topic_for(kind, prefix), expected, timeout,
+                   lambda m: unpack(m.value))
     return [decode(kind, v) for v in values]
 
 
