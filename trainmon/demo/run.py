@@ -25,6 +25,7 @@ from .. import topics
 from ..broker import Broker, free_port
 from ..consumers.clickhouse.cli import query
 from ..consumers.clickhouse.client import Target
+from ..consumers.clickhouse.sql_endpoint import find_endpoint
 
 TABLES = ["run", "dataset", "step", "eval", "moe", "allocator", "gpu", "gpu_model", "alert"]
 
@@ -137,8 +138,12 @@ def main(argv: list[str] | None = None) -> int:
 
         progress("starting the consumers: ClickHouse (embedded chDB) and the alerts engine")
         services = [_service("clickhouse", env, out / "logs"), _service("alerts", env, out / "logs")]
-        if not _wait_for(lambda: _rows(target, "SELECT count() AS n FROM system.tables WHERE "
-                                               "database = 'trainmon' AND name = 'step'")[0]["n"] == 1, 60):
+        # Wait for the service's SQL endpoint, never open the directory ourselves: chDB
+        # locks it, and a service starting while we held it would find it busy.
+        clickhouse_service = services[0]
+        _wait_for(lambda: find_endpoint(target.path) is not None
+                  or clickhouse_service.poll() is not None, 120)
+        if find_endpoint(target.path) is None:
             raise RuntimeError(f"the ClickHouse consumer did not start; see {out / 'logs'}")
 
         progress(f"training a tiny MoE language model on {args.ranks} ranks (gloo, CPU), "

@@ -13,8 +13,10 @@ a running service holds.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -63,6 +65,10 @@ class EngineBusy(RuntimeError):
     """The embedded data directory cannot be opened by this process right now."""
 
 
+class DirectoryLocked(EngineBusy):
+    """Another process holds the embedded data directory; it may let go soon."""
+
+
 def connect(target: Target | None = None):
     """A clickhouse-connect client on ``target`` (from env when not given).
 
@@ -88,7 +94,7 @@ def connect(target: Target | None = None):
                 raise EngineBusy(f"this process already has another chDB directory open ({text}); "
                                  "close that client first") from exc
             if "Cannot lock file" in text or "Error initializing EmbeddedServer" in text:
-                raise EngineBusy(f"{target.path} is in use by another process (a running "
+                raise DirectoryLocked(f"{target.path} is in use by another process (a running "
                                  "'trainmon consume clickhouse' or 'trainmon replay'?)") from exc
             raise
     kwargs = {"dsn": target.url}
@@ -97,3 +103,21 @@ def connect(target: Target | None = None):
     if target.password:
         kwargs["password"] = target.password
     return clickhouse_connect.get_client(**kwargs)
+
+
+def connect_when_free(target: Target, wait_s: float = 30.0, poll_s: float = 0.5):
+    """``connect``, waiting up to ``wait_s`` for another process to let go of an embedded
+    directory: a ``trainmon sql`` run holds it for the length of its query, and a service
+    started at that moment should start, not exit."""
+    deadline = time.monotonic() + wait_s
+    waiting = False
+    while True:
+        try:
+            return connect(target)
+        except DirectoryLocked as exc:
+            if time.monotonic() >= deadline:
+                raise
+            if not waiting:
+                logging.getLogger("trainmon.clickhouse").info("%s; waiting up to %.0f s", exc, wait_s)
+                waiting = True
+            time.sleep(poll_s)

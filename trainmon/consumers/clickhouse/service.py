@@ -21,7 +21,7 @@ from clickhouse_connect.driver.exceptions import OperationalError
 
 from ... import kafka_config
 from ..stream import stop_on_signals
-from .client import EngineBusy, Target, connect
+from .client import EngineBusy, Target, connect, connect_when_free
 from .ddl import create_all
 from .loader import Loader
 from .sql_endpoint import SqlEndpoint
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     target = target_from(args)
     stop = stop_on_signals()
     try:
-        client = connect(target)
+        client = connect_when_free(target)
     except EngineBusy as exc:
         log.error("%s", exc)
         return 1
