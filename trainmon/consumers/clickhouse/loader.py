@@ -159,16 +159,16 @@ class Loader:
                 log.warning("insert %s failed (attempt %d), retrying in %.1fs: %s",
                             token, attempt, delay, exc)
                 time.sleep(delay)
-        self.inserts += 1
-        if _CRASH_AFTER_INSERTS and self.inserts >= _CRASH_AFTER_INSERTS:
-            os.kill(os.getpid(), signal.SIGKILL)
 
     def _insert(self, tp: TopicPartition, messages: list[Message], token: str) -> None:
         insert_batch(self.client, messages[0].kind, [m.record for m in messages],
                      database=self.database, dedup_token=token,
                      kafka=(tp.topic, tp.partition, [m.offset for m in messages]))
         self.rows_inserted += len(messages)
+        self.inserts += 1
         self._inserted_since_commit = True
+        if _CRASH_AFTER_INSERTS and self.inserts >= _CRASH_AFTER_INSERTS:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def _without_culprits(self, messages: list[Message]) -> list[Message]:
         """Dead-letter the records ClickHouse cannot take; return the others. Each is
