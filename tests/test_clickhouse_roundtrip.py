@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 import time
 from datetime import datetime, timedelta, timezone
 
@@ -235,11 +236,28 @@ def test_a_rebalance_with_rows_buffered_writes_each_once(kafka_broker, bootstrap
     log = service.log.read_text()
     assert "Revoking previously assigned partitions {" in log, log[-3000:]
 
-    # Everything back with the service; SIGTERM writes what it holds.
-    service.wait_for("SELECT 1", 1)
-    time.sleep(3)
+    # Everything back with the service and the batch read again (ClickHouse refused it
+    # at the revocation, so it was not written then); SIGTERM writes what it holds. On a
+    # busy machine the rejoin after the intruder leaves takes seconds: wait for it.
+    assert _reassigned_all_and_reading(service, deadline + 120), service.log.read_text()[-3000:]
     assert service.stop() == 0
     assert service.rows("SELECT step, count() AS n FROM trainmon.step GROUP BY step ORDER BY step") == \
         [{"step": i, "n": 1} for i in range(3)]
     letters = read_topic(bootstrap, topics.topic_for(topics.DEADLETTER, topic_prefix), 1)
     assert [base64.b64decode(json.loads(m.value)["value_base64"]) for m in letters] == [encode(too_big)]
+
+
+ASSIGNED = re.compile(r"\bassigned (\d+) partitions; ")
+
+
+def _reassigned_all_and_reading(service: ClickHouseService, deadline: float) -> bool:
+    """The service's latest assignment is as large as its first, and it has polled
+    records since (the loader logs "receiving records" once after each assignment)."""
+    while time.monotonic() < deadline:
+        log = service.log.read_text()
+        assignments = list(ASSIGNED.finditer(log))
+        if len(assignments) >= 2 and assignments[-1].group(1) == assignments[0].group(1) \
+                and "receiving records" in log[assignments[-1].end():]:
+            return True
+        time.sleep(0.1)
+    return False

@@ -87,6 +87,7 @@ class Loader:
                 if position is not None:
                     self.stream.consumer.seek(tp, position)
             self._owned.update(partitions)
+            self._receiving = False  # say so again when records arrive after a rebalance
         log.info("assigned %d partitions; %d resume from ClickHouse offsets",
                  len(partitions), len(stored))
 
