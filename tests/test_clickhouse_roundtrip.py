@@ -224,6 +224,7 @@ def test_a_rebalance_with_rows_buffered_writes_each_once(kafka_broker, bootstrap
         assert time.monotonic() < deadline, service.log.read_text()[-3000:]
         time.sleep(0.1)
 
+    before_intruder = list(ASSIGNED.finditer(service.log.read_text()))
     group = f"{topic_prefix}clickhouse"
     intruder = KafkaConsumer(*topics.all_topics(topic_prefix)[:-1], bootstrap_servers=bootstrap,
                              group_id=group, enable_auto_commit=False)
@@ -239,7 +240,8 @@ def test_a_rebalance_with_rows_buffered_writes_each_once(kafka_broker, bootstrap
     # Everything back with the service and the batch read again (ClickHouse refused it
     # at the revocation, so it was not written then); SIGTERM writes what it holds. On a
     # busy machine the rejoin after the intruder leaves takes seconds: wait for it.
-    assert _reassigned_all_and_reading(service, deadline + 120), service.log.read_text()[-3000:]
+    assert _reassigned_all_and_reading(service, before_intruder, deadline + 120), \
+        service.log.read_text()[-3000:]
     assert service.stop() == 0
     assert service.rows("SELECT step, count() AS n FROM trainmon.step GROUP BY step ORDER BY step") == \
         [{"step": i, "n": 1} for i in range(3)]
@@ -250,13 +252,15 @@ def test_a_rebalance_with_rows_buffered_writes_each_once(kafka_broker, bootstrap
 ASSIGNED = re.compile(r"\bassigned (\d+) partitions; ")
 
 
-def _reassigned_all_and_reading(service: ClickHouseService, deadline: float) -> bool:
-    """The service's latest assignment is as large as its first, and it has polled
-    records since (the loader logs "receiving records" once after each assignment)."""
+def _reassigned_all_and_reading(service: ClickHouseService, before: list[re.Match],
+                                deadline: float) -> bool:
+    """Since the assignments ``before`` the intruder came, the service has had one with
+    the intruder and then one as large as the last before it, and has polled records
+    since (the loader logs "receiving records" once after each assignment)."""
     while time.monotonic() < deadline:
         log = service.log.read_text()
         assignments = list(ASSIGNED.finditer(log))
-        if len(assignments) >= 2 and assignments[-1].group(1) == assignments[0].group(1) \
+        if len(assignments) >= len(before) + 2 and assignments[-1].group(1) == before[-1].group(1) \
                 and "receiving records" in log[assignments[-1].end():]:
             return True
         time.sleep(0.1)
