@@ -45,3 +45,17 @@ def test_calls_that_return_in_time_and_a_disabled_watchdog_do_nothing():
         print("done")
     """, limit="0")
     assert off.returncode == 0 and off.stdout.strip() == "done", off.stderr
+
+
+def test_a_closed_watchdog_stops_its_thread():
+    """A process that opens and closes many streams must not keep a thread per stream."""
+    result = run("""
+        import threading
+        with watchdog.watch("poll"):
+            pass
+        assert any(t.name == "trainmon-kafka-watchdog" for t in threading.enumerate())
+        watchdog.close()
+        time.sleep(1.0)
+        print(sum(t.name == "trainmon-kafka-watchdog" for t in threading.enumerate()))
+    """, limit="2")
+    assert result.returncode == 0 and result.stdout.strip() == "0", result.stdout + result.stderr

@@ -143,7 +143,9 @@ class RecordStream:
     def close(self) -> None:
         if self._dlq is not None:
             self._dlq.close(5)
-        self.consumer.close(autocommit=False)
+        with self._watchdog.watch("close"):
+            self.consumer.close(autocommit=False)
+        self._watchdog.close()
 
 
 class _Rebalance(ConsumerRebalanceListener):

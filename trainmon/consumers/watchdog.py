@@ -32,6 +32,7 @@ class KafkaCallWatchdog:
         self.name = name
         self._call: tuple[str, float] | None = None
         self._thread: threading.Thread | None = None
+        self._closed = threading.Event()
 
     @classmethod
     def from_env(cls, env: dict | None = None, name: str = "consumer") -> "KafkaCallWatchdog":
@@ -53,9 +54,12 @@ class KafkaCallWatchdog:
         finally:
             self._call = None
 
+    def close(self) -> None:
+        """Stop watching; the thread ends within its check interval."""
+        self._closed.set()
+
     def _run(self) -> None:
-        while True:
-            time.sleep(min(5.0, self.limit_s / 4))
+        while not self._closed.wait(min(5.0, self.limit_s / 4)):
             call = self._call
             if call is not None and time.monotonic() - call[1] > self.limit_s:
                 log.critical("trainmon %s: Kafka %s() has not returned for %.0f s "
