@@ -95,7 +95,7 @@ def connect(target: Target | None = None):
                                  "close that client first") from exc
             if "Cannot lock file" in text or "Error initializing EmbeddedServer" in text:
                 raise DirectoryLocked(f"{target.path} is in use by another process (a running "
-                                 "'trainmon consume clickhouse' or 'trainmon replay'?)") from exc
+                                      "'trainmon consume clickhouse' or 'trainmon replay'?)") from exc
             raise
     kwargs = {"dsn": target.url}
     if target.user:
