@@ -107,6 +107,14 @@ class ClickHouseService:
         raise AssertionError(f"{sql!r} gave {value!r}, expected {expected!r}; log:\n"
                              f"{self.log.read_text()[-3000:]}")
 
+    def wait_for_log(self, condition, timeout: float = 60.0) -> str:
+        """Wait until ``condition(log text)`` holds; return the log."""
+        deadline = time.monotonic() + timeout
+        while not condition(log := self.log.read_text()):
+            assert time.monotonic() < deadline, log[-3000:]
+            time.sleep(0.1)
+        return log
+
     def stop(self, timeout: float = 60.0) -> int:
         if self.proc is None:
             return 0

@@ -183,10 +183,7 @@ def test_sigterm_writes_the_last_batch_and_commits(kafka_broker, bootstrap, topi
     # A long batch interval: only the SIGTERM path can write these rows.
     service = ClickHouseService(bootstrap, topic_prefix, tmp_path / "chdb", tmp_path / "svc.log")
     service.start("--batch-ms", "600000")
-    deadline = time.monotonic() + 60
-    while "receiving records" not in service.log.read_text():  # polled into its buffer
-        assert time.monotonic() < deadline, service.log.read_text()[-3000:]
-        time.sleep(0.1)
+    service.wait_for_log(lambda log: "receiving records" in log)  # polled into its buffer
     time.sleep(0.5)
     assert service.value("SELECT count() FROM trainmon.step") == 0
     assert service.stop() == 0
@@ -219,19 +216,15 @@ def test_a_rebalance_with_rows_buffered_writes_each_once(kafka_broker, bootstrap
 
     service = ClickHouseService(bootstrap, topic_prefix, tmp_path / "chdb", tmp_path / "svc.log")
     service.start("--batch-ms", "600000")  # rows stay buffered until a rebalance or SIGTERM
-    deadline = time.monotonic() + 60
-    while "receiving records" not in service.log.read_text():
-        assert time.monotonic() < deadline, service.log.read_text()[-3000:]
-        time.sleep(0.1)
-
-    before_intruder = list(ASSIGNED.finditer(service.log.read_text()))
+    before_intruder = list(ASSIGNED.finditer(service.wait_for_log(lambda log: "receiving records" in log)))
+    deadline = time.monotonic() + 120
     group = f"{topic_prefix}clickhouse"
     intruder = KafkaConsumer(*topics.all_topics(topic_prefix)[:-1], bootstrap_servers=bootstrap,
                              group_id=group, enable_auto_commit=False)
     try:
         while not intruder.assignment():  # joined: the service has been through a revocation
             intruder.poll(timeout_ms=200, max_records=1)
-            assert time.monotonic() < deadline + 60, service.log.read_text()[-3000:]
+            assert time.monotonic() < deadline, service.log.read_text()[-3000:]
     finally:
         intruder.close(autocommit=False)
     log = service.log.read_text()
@@ -240,8 +233,7 @@ def test_a_rebalance_with_rows_buffered_writes_each_once(kafka_broker, bootstrap
     # Everything back with the service and the batch read again (ClickHouse refused it
     # at the revocation, so it was not written then); SIGTERM writes what it holds. On a
     # busy machine the rejoin after the intruder leaves takes seconds: wait for it.
-    assert _reassigned_all_and_reading(service, before_intruder, deadline + 120), \
-        service.log.read_text()[-3000:]
+    service.wait_for_log(lambda log: _reassigned_all_and_reading(log, before_intruder), 180)
     assert service.stop() == 0
     assert service.rows("SELECT step, count() AS n FROM trainmon.step GROUP BY step ORDER BY step") == \
         [{"step": i, "n": 1} for i in range(3)]
@@ -252,16 +244,10 @@ def test_a_rebalance_with_rows_buffered_writes_each_once(kafka_broker, bootstrap
 ASSIGNED = re.compile(r"\bassigned (\d+) partitions; ")
 
 
-def _reassigned_all_and_reading(service: ClickHouseService, before: list[re.Match],
-                                deadline: float) -> bool:
+def _reassigned_all_and_reading(log: str, before: list[re.Match]) -> bool:
     """Since the assignments ``before`` the intruder came, the service has had one with
     the intruder and then one as large as the last before it, and has polled records
     since (the loader logs "receiving records" once after each assignment)."""
-    while time.monotonic() < deadline:
-        log = service.log.read_text()
-        assignments = list(ASSIGNED.finditer(log))
-        if len(assignments) >= len(before) + 2 and assignments[-1].group(1) == before[-1].group(1) \
-                and "receiving records" in log[assignments[-1].end():]:
-            return True
-        time.sleep(0.1)
-    return False
+    assignments = list(ASSIGNED.finditer(log))
+    return len(assignments) >= len(before) + 2 and assignments[-1].group(1) == before[-1].group(1) \
+        and "receiving records" in log[assignments[-1].end():]
