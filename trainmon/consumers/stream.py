@@ -91,8 +91,10 @@ class RecordStream:
                     message = Message(kind, tp.topic, tp.partition, m.offset, m.key, value, index=index)
                     try:
                         message.record = decode(kind, value)
-                    except DecodeError as exc:
-                        self.dead_letter(message, exc.reason)
+                    except Exception as exc:  # noqa: BLE001 -- one record's problem, never the consumer's
+                        reason = exc.reason if isinstance(exc, DecodeError) else \
+                            f"cannot decode: {type(exc).__name__}: {exc}"[:500]
+                        self.dead_letter(message, reason)
                         continue
                     messages.append(message)
         if fetched:

@@ -73,7 +73,9 @@ def count(value: bytes) -> int:
 
 
 def decode(kind: str, data: bytes) -> Record:
-    """Parse one message of topic ``kind``; raises DecodeError naming what is wrong."""
+    """Parse one message of topic ``kind``; raises DecodeError naming what is wrong, and
+    nothing else: whatever one message holds (e.g. 100,000 nested brackets, which make
+    Python's json raise RecursionError) must cost that message only, never the consumer."""
     model = RECORD_TYPES.get(kind)
     if model is None:
         raise DecodeError(kind, f"unknown record kind {kind!r}")
@@ -85,12 +87,19 @@ def decode(kind: str, data: bytes) -> Record:
             raise DecodeError(kind, f"unsupported schema_version {version!r} "
                                     f"(this trainmon reads {SCHEMA_VERSION})") from exc
         raise DecodeError(kind, _one_line(exc)) from exc
+    except Exception as exc:  # a validator or the parser itself failing on odd input
+        raise DecodeError(kind, f"cannot decode: {type(exc).__name__}: {exc}"[:500]) from exc
 
 
 def _schema_version(data: bytes):
+    """The schema_version of a JSON object, if it has one. Only a top-level object is
+    worth parsing for it: anything else (e.g. deeply nested arrays, which would make
+    Python's recursive json parser raise RecursionError) has none."""
+    if data.lstrip()[:1] not in (b"{", "{"):
+        return None
     try:
         return json.loads(data).get("schema_version")
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return None
 
 
