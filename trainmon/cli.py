@@ -20,6 +20,7 @@ DELEGATED = {
     "clickhouse": ("trainmon.consumers.clickhouse.cli:clickhouse_main", "clickhouse"),
     "demo": ("trainmon.demo:main", "demo"),
     "roundtrip": ("trainmon.roundtrip:main", None),
+    "ingest": ("trainmon.ingest.cli:main", None),
 }
 CONSUMERS = {
     "clickhouse": ("trainmon.consumers.clickhouse.service:main", "clickhouse"),

@@ -1,0 +1,49 @@
+"""The contract of a log format: recognise a line, turn lines into records."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+from ..lines import Line
+from ..parsed import Parsed
+
+
+class FormatParser:
+    """One instance per log being read; it may keep state across lines (a step held
+    until its timer lines arrive, a hard-wrapped line being joined).
+
+    ``feed`` returns what a line completes; ``flush`` returns whatever is still held
+    (called when the log goes quiet while following it, and at its end). Run-level
+    facts a log prints (the world size, the arguments) go into ``world_size`` and
+    ``config``; the session puts them into the envelope and the run start record.
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+
+    def __init__(self) -> None:
+        self.world_size: int | None = None
+        self.config: dict[str, Any] = {}
+        self.finished = False  # the log said training completed normally
+
+    @classmethod
+    def detect(cls, line: Line) -> bool:
+        """True when this line is unmistakably of this format."""
+        raise NotImplementedError
+
+    def feed(self, line: Line) -> list[Parsed]:
+        raise NotImplementedError
+
+    def flush(self) -> list[Parsed]:
+        return []
+
+
+def number(text: str) -> float:
+    """A float as logs print it: '1.5E-05', 'nan', '-inf', '1,234.5'."""
+    return float(text.replace(",", ""))
+
+
+def integer(text: str) -> int | None:
+    value = number(text)
+    return int(value) if math.isfinite(value) else None

@@ -1,0 +1,283 @@
+"""Megatron-LM, Megatron-DeepSpeed, Megatron-Core and Megatron-Bridge console logs.
+
+All four print the same ``training_log`` line, with fields added over the years::
+
+    [2024-06-13 10:48:27] iteration      100/  500000 | consumed samples: 51200 |
+        elapsed time per iteration (ms): 1234.5 | throughput per GPU (TFLOP/s/GPU): 401.2 |
+        learning rate: 1.500E-05 | global batch size:   512 | lm loss: 7.123456E+00 |
+        load_balancing_loss: 1.02E+00 | loss scale: 1.0 | grad norm: 1.234 |
+        number of skipped iterations:   0 | number of nan iterations:   0 |
+
+then, at the same interval, timer lines (``time (ms) | forward-compute: 193.77 | ...``,
+or ``(min, max) time across ranks (ms):`` and one indented line per timer), once a
+``[Rank 0] (after 10 iterations) memory (MB) | allocated: ...`` line, and every eval
+interval a ``validation loss at iteration N | lm loss value: ... |`` line. The step is
+held until its timer lines have been read (the next iteration, a quiet moment while
+following, or the end of the log), so its record carries them.
+
+Fields are matched by name with spaces removed, so a line hard-wrapped anywhere (as
+pasted into an issue) reads the same once joined.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ..lines import Line
+from ..parsed import Parsed
+from .base import FormatParser, integer, number
+
+_ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")
+_ITERATION_START = re.compile(r"\biteration\s+\d+\s*/")
+_TIMERS_ONE_LINE = re.compile(r"^\s*time \(ms\)\s*\|")
+_TIMERS_HEADER = re.compile(r"time across ranks \(ms\):\s*$")
+_TIMER_ROW = re.compile(r"^\s+([\w\-/.: ]+?)\s*\.{2,}\s*:\s*(?:\(\s*([-\d.einfa]+)\s*,\s*([-\d.einfa]+)\s*\)|([-\d.einfa]+))\s*$")
+_MEMORY = re.compile(r"\[Rank (\d+)\]\s*\(after (\d+) iterations\)\s*memory \(MB\)\s*\|(.*)")
+_VALIDATION = re.compile(r"\b(?:validation|test) loss at (?:iteration (\d+)|the end of training)[^|]*\|(.*)")
+_ARGS_START = re.compile(r"^-+ arguments -+\s*$")
+_ARGS_END = re.compile(r"^-+ end of arguments -+\s*$")
+_ARG = re.compile(r"^\s*(\w+) \.{2,} (.*?)\s*$")
+_WORLD_SIZE = re.compile(r"using world size:\s*(\d+)")
+_DONE = re.compile(r"\[after training is done\]")
+_MAX_WRAPPED_LINES = 8
+MIB = 1024 * 1024
+
+
+def _key(name: str) -> str:
+    return "".join(name.split()).lower()
+
+
+# iteration-line field (spaces removed, lower case) -> (StepRecord field, converter)
+_STEP_FIELDS: dict[str, tuple[str, Any]] = {
+    "consumedsamples": ("consumed_samples", integer),
+    "elapsedtimeperiteration(ms)": ("duration_ms", number),
+    "elapsedtimeperiteration(s)": ("duration_ms", lambda v: number(v) * 1000.0),
+    "learningrate": ("lr", number),
+    "globalbatchsize": ("global_batch_size", integer),
+    "lossscale": ("loss_scale", number),
+    "gradnorm": ("norm", number),
+    "paramsnorm": ("params_norm", number),
+    "numzeros": ("num_zeros", integer),
+    "numberofskippediterations": ("skipped", integer),
+    "numberofnaniterations": ("nan_iterations", integer),
+    "throughputpergpu(tflop/s/gpu)": ("tflops_per_gpu", number),
+    "tflops": ("tflops_per_gpu", number),  # Megatron-DeepSpeed
+}
+# Auxiliary losses of mixture-of-experts routers: also sent as moe records.
+_MOE_LOSSES = {"load_balancing_loss": "aux_loss", "aux_loss": "aux_loss",
+               "moe_aux_loss": "aux_loss", "seq_load_balancing_loss": "aux_loss",
+               "global_load_balancing_loss": "aux_loss", "z_loss": "z_loss", "moe_z_loss": "z_loss"}
+_MAIN_LOSSES = ("lmloss", "loss")
+
+
+class MegatronParser(FormatParser):
+    name = "megatron"
+    description = "Megatron-LM, Megatron-DeepSpeed, Megatron-Core, Megatron-Bridge"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._held: Parsed | None = None       # the last step, until its timers are read
+        self._wrapped: list[Line] = []         # a hard-wrapped iteration line being joined
+        self._in_args = False
+        self._in_timers = False
+        self._last_step = 0
+        self._last_tokens: tuple[int, int] | None = None  # (iteration, consumed tokens)
+
+    @classmethod
+    def detect(cls, line: Line) -> bool:
+        text = line.text
+        return bool(_ITERATION.search(text) or _ARGS_START.match(text)
+                    or _WORLD_SIZE.search(text) or _MEMORY.search(text))
+
+    # -- lines ---------------------------------------------------------------------
+
+    def feed(self, line: Line) -> list[Parsed]:
+        out: list[Parsed] = []
+        if self._wrapped:
+            if self._starts_something(line.text) or len(self._wrapped) >= _MAX_WRAPPED_LINES:
+                out += self._iteration(self._joined())
+            else:
+                self._wrapped.append(line)
+                if line.text.rstrip().endswith("|"):
+                    out += self._iteration(self._joined())
+                return out
+        text = line.text
+        if self._in_args:
+            if _ARGS_END.match(text):
+                self._in_args = False
+            elif (m := _ARG.match(text)) is not None:
+                self.config[m.group(1)] = _arg_value(m.group(2))
+                if m.group(1) == "world_size" and isinstance(self.config["world_size"], int):
+                    self.world_size = self.config["world_size"]
+            return out
+        if self._in_timers:
+            m = _TIMER_ROW.match(text)
+            if m is not None:
+                self._timer(m)
+                return out
+            self._in_timers = False
+        if _ITERATION_START.search(text):
+            if not text.rstrip().endswith("|"):
+                self._wrapped = [line]
+                return out
+            return out + self._iteration(line)
+        if _TIMERS_ONE_LINE.match(text):
+            for part in text.split("|")[1:]:
+                name, sep, value = part.rpartition(":")
+                if sep and self._held is not None:
+                    self._held.fields.setdefault("timers", {})[name.strip()] = number(value)
+            return out
+        if _TIMERS_HEADER.search(text):
+            self._in_timers = True
+            return out
+        if (m := _MEMORY.search(text)) is not None:
+            return out + [self._memory(m, line)]
+        if (m := _VALIDATION.search(text)) is not None:
+            return out + self._validation(m, line)
+        if _ARGS_START.match(text):
+            self._in_args = True
+        elif (m := _WORLD_SIZE.search(text)) is not None:
+            self.world_size = int(m.group(1))
+        elif _DONE.search(text):
+            self.finished = True
+        return out
+
+    def flush(self) -> list[Parsed]:
+        out = self._iteration(self._joined()) if self._wrapped else []
+        if self._held is not None:
+            out.append(self._held)
+            self._held = None
+        return out
+
+    @staticmethod
+    def _starts_something(text: str) -> bool:
+        return bool(_ITERATION_START.search(text) or _TIMERS_ONE_LINE.match(text)
+                    or _MEMORY.search(text) or _VALIDATION.search(text))
+
+    def _joined(self) -> Line:
+        first = self._wrapped[0]
+        text = "".join(part.text for part in self._wrapped)
+        self._wrapped = []
+        return Line(text, first.rank, first.time)
+
+    # -- records -------------------------------------------------------------------
+
+    def _iteration(self, line: Line) -> list[Parsed]:
+        out = [self._held] if self._held is not None else []
+        self._held = None
+        m = _ITERATION.search(line.text)
+        if m is None:
+            return out
+        step, total = int(m.group(1)), int(m.group(2))
+        fields: dict[str, Any] = {"step": step, "total_steps": total}
+        losses: dict[str, float] = {}
+        consumed_tokens = None
+        for part in line.text[m.end():].split("|"):
+            name, sep, value = part.rpartition(":")
+            if not sep or not value.strip():
+                continue
+            key = _key(name)
+            try:
+                if key in _STEP_FIELDS:
+                    field, convert = _STEP_FIELDS[key]
+                    fields[field] = convert(value)
+                elif key == "consumedtokens":
+                    consumed_tokens = integer(value)
+                elif key.endswith("loss") and key != "loss":
+                    losses[name.strip()] = number(value)
+                elif key == "loss":
+                    losses["loss"] = number(value)
+            except ValueError:
+                continue  # a field this parser does not understand: keep the rest
+        main = next((n for n in losses if _key(n) in _MAIN_LOSSES), None)
+        if main is None:
+            main = next((n for n in losses if n not in _MOE_LOSSES), None)
+        if main is not None:
+            fields["loss"] = losses.pop(main)
+        if losses:
+            fields["losses"] = losses
+        tokens = self._step_tokens(step, fields.get("global_batch_size"), consumed_tokens)
+        if tokens is not None:
+            fields["step_tokens"] = tokens
+        self._last_step = step
+        self._held = Parsed("step", fields, line.rank, line.time)
+        moe = {_MOE_LOSSES[n]: v for n, v in losses.items() if n in _MOE_LOSSES}
+        if moe:
+            out.append(Parsed("moe", {"step": step, **moe}, line.rank, line.time))
+        return out
+
+    def _step_tokens(self, step: int, batch: int | None, consumed: int | None) -> int | None:
+        seq = self.config.get("seq_length")
+        if batch is not None and isinstance(seq, int):
+            return batch * seq
+        if consumed is None:
+            return None
+        last, self._last_tokens = self._last_tokens, (step, consumed)
+        if last is None or step <= last[0] or consumed < last[1]:
+            return None
+        return (consumed - last[1]) // (step - last[0])
+
+    def _timer(self, m: re.Match) -> None:
+        if self._held is None:
+            return
+        name, low, high, single = m.groups()
+        timers = self._held.fields.setdefault("timers", {})
+        try:
+            if single is not None:
+                timers[name.strip()] = number(single)
+            else:
+                timers[name.strip()] = number(high)
+                timers[f"{name.strip()}.min"] = number(low)
+        except ValueError:
+            pass
+
+    def _memory(self, m: re.Match, line: Line) -> Parsed:
+        values = {}
+        for part in m.group(3).split("|"):
+            name, sep, value = part.rpartition(":")
+            if sep:
+                try:
+                    values[_key(name)] = int(number(value) * MIB)
+                except ValueError:
+                    pass
+        fields = {"step": int(m.group(2)), "stats": []}
+        for key, field in (("allocated", "allocated"), ("maxallocated", "peak_allocated"),
+                           ("reserved", "reserved"), ("maxreserved", "peak_reserved")):
+            if key in values:
+                fields[field] = values[key]
+        return Parsed("allocator", fields, int(m.group(1)), line.time)
+
+    def _validation(self, m: re.Match, line: Line) -> list[Parsed]:
+        out = self.flush()
+        step = int(m.group(1)) if m.group(1) else self._last_step
+        values = {}
+        for part in m.group(2).split("|"):
+            name, sep, value = part.rpartition(":")
+            if sep:
+                try:
+                    values[name.strip()] = number(value)
+                except ValueError:
+                    pass
+        loss_name = next((n for n in values if _key(n) == "lmlossvalue"),
+                         next((n for n in values if _key(n).endswith("value")), None))
+        if loss_name is None:
+            return out
+        fields: dict[str, Any] = {"step": step, "loss": values[loss_name]}
+        ppl = next((v for n, v in values.items() if _key(n).endswith("ppl")), None)
+        if ppl is not None:
+            fields["perplexity"] = ppl
+        return out + [Parsed("eval", fields, line.rank, line.time)]
+
+
+def _arg_value(text: str) -> Any:
+    if text in ("True", "False"):
+        return text == "True"
+    if text == "None":
+        return None
+    for convert in (int, float):
+        try:
+            return convert(text)
+        except ValueError:
+            pass
+    return text

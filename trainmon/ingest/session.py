@@ -1,0 +1,178 @@
+"""From console lines to records: format detection, the envelope, run start and end.
+
+A ``Session`` reads one log. Lines go in (``feed``), records come out through the
+sink (the Producer, or a printer for ``--dry-run``). Until a format recognises a line
+(``--format auto``), lines are kept and replayed into the chosen parser, so nothing
+read before the first recognisable line is lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections import Counter
+from datetime import datetime, timezone
+from typing import Callable
+
+from pydantic import ValidationError
+
+from ..schemas import RECORD_TYPES, Record
+from .failures import Ending, FailureWatcher
+from .formats import FORMATS, FormatParser, by_name
+from .ids import Occurrences, event_id
+from .lines import Line, split_line
+from .parsed import Parsed
+
+log = logging.getLogger("trainmon.ingest")
+UTC = timezone.utc
+DETECT_LINES = 10_000  # lines kept while no format has recognised one
+
+
+class FormatNotDetected(ValueError):
+    pass
+
+
+class Session:
+    def __init__(self, run_id: str, sink: Callable[[Record], None], *, fmt: str = "auto",
+                 host: str | None = None, world_size: int | None = None,
+                 clock: Callable[[], datetime] = lambda: datetime.now(UTC)):
+        self.run_id = run_id
+        self._sink = sink
+        self._host = host or socket.gethostname()
+        self._line_host: str | None = None
+        self._world_size = world_size
+        self._clock = clock
+        self.parser: FormatParser | None = None if fmt == "auto" else by_name(fmt)()
+        self._undetected: list[Line] = []
+        self._watchers: dict[int, FailureWatcher] = {}
+        self._running: set[int] = set()   # ranks whose run start was sent and not ended
+        self._ended: set[int] = set()
+        self._max_rank = 0
+        self._occurrences = Occurrences()
+        self.sent: Counter[str] = Counter()
+        self.rejected: Counter[str] = Counter()
+        self.lines = 0
+
+    @property
+    def format(self) -> str | None:
+        return self.parser.name if self.parser else None
+
+    # -- input -----------------------------------------------------------------------
+
+    def feed(self, raw: str) -> None:
+        """One line of the log (with or without its newline)."""
+        self.lines += 1
+        if "\r" in raw.rstrip("\r\n"):
+            # Progress bars (tqdm, Lightning) redraw with carriage returns: a file holds
+            # thousands of updates on one "line"; each is a line of its own here.
+            for part in raw.rstrip("\r\n").split("\r"):
+                if part.strip():
+                    self._line(split_line(part))
+            return
+        self._line(split_line(raw))
+
+    def _line(self, line: Line) -> None:
+        if self.parser is None:
+            self._detect(line)
+            return
+        self._process(line)
+
+    def idle(self) -> None:
+        """The log went quiet (following): send what the parser holds."""
+        if self.parser is not None:
+            self._emit_all(self.parser.flush())
+            self._end_if_finished()
+
+    def finish(self) -> None:
+        """The end of the log (backfill, or the pipe closed)."""
+        if self.parser is None:
+            if self._undetected:
+                raise FormatNotDetected(
+                    f"no known log format in {len(self._undetected):,} lines; choose one with "
+                    f"--format ({', '.join(FORMATS)})")
+            return
+        self.idle()
+
+    # -- internals -------------------------------------------------------------------
+
+    def _detect(self, line: Line) -> None:
+        self._undetected.append(line)
+        for parser in FORMATS.values():
+            if parser.detect(line):
+                log.info("trainmon ingest: reading a %s log", parser.name)
+                self.parser = parser()
+                kept, self._undetected = self._undetected, []
+                for earlier in kept:
+                    self._process(earlier)
+                return
+        if len(self._undetected) > DETECT_LINES:
+            self._undetected.pop(0)
+
+    def _process(self, line: Line) -> None:
+        rank = line.rank or 0
+        # Records a line completes carry its pdsh host; a record held across lines
+        # (a step waiting for its timers) takes the next line's, from the same printer.
+        self._line_host = line.host
+        self._emit_all(self.parser.feed(line))
+        watcher = self._watchers.get(rank)
+        if watcher is None:
+            watcher = self._watchers[rank] = FailureWatcher()
+        ending = watcher.feed(line.text)
+        if ending is not None:
+            self._emit_all(self.parser.flush())
+            self._end(rank, ending, line.time)
+
+    def _emit_all(self, parsed: list[Parsed]) -> None:
+        for p in parsed:
+            rank = p.rank or 0
+            if p.kind == "run":
+                if p.fields.get("event") == "end":
+                    self._running.discard(rank)
+                    self._ended.add(rank)
+                self._send(p, "end" if p.fields.get("event") == "end" else "start")
+                continue
+            if rank not in self._running:
+                self._start(rank, p.time)
+            self._send(p, p.fields.get("step", ""))
+
+    def _start(self, rank: int, when: datetime | None) -> None:
+        self._running.add(rank)
+        self._ended.discard(rank)
+        config = dict(self.parser.config) if self.parser else {}
+        self._send(Parsed("run", {"event": "start", "config": config}, rank, when), "start")
+
+    def _end(self, rank: int, ending: Ending, when: datetime | None) -> None:
+        if rank in self._ended:
+            return
+        self._running.discard(rank)
+        self._ended.add(rank)
+        self._send(Parsed("run", {"event": "end", "status": ending.status, "reason": ending.reason},
+                          rank, when), "end")
+
+    def _end_if_finished(self) -> None:
+        if self.parser is not None and self.parser.finished:
+            for rank in sorted(self._running):
+                self._end(rank, Ending("success", ""), None)
+            self.parser.finished = False
+
+    def _send(self, p: Parsed, key: object) -> None:
+        rank = p.rank or 0
+        self._max_rank = max(self._max_rank, rank)
+        world = self._world_size or (self.parser.world_size if self.parser else None) or 1
+        fields = p.fields
+        if p.kind == "run" and fields.get("event") == "end" and not fields.get("reason"):
+            fields = {k: v for k, v in fields.items() if k != "reason"}
+        n = self._occurrences.next(p.kind, rank, key)
+        try:
+            record = RECORD_TYPES[p.kind](
+                run_id=self.run_id, rank=rank, world_size=max(world, self._max_rank + 1),
+                host=self._line_host or self._host, time=p.time or self._clock(),
+                event_id=event_id(self.run_id, p.kind, rank, key, n), **fields)
+        except ValidationError as exc:
+            if not self.rejected[p.kind]:
+                log.warning("trainmon ingest: a %s record could not be made (further ones are "
+                            "only counted): %s", p.kind, exc)
+            self.rejected[p.kind] += 1
+            return
+        self.sent[p.kind] += 1
+        self._sink(record)
