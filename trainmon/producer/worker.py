@@ -13,11 +13,14 @@ import logging
 import os
 import threading
 import time
+import typing
 import weakref
 from collections import deque
-from typing import Callable
+from functools import lru_cache
+from typing import Any, Callable
 
 from ..schemas import MAX_MESSAGE_BYTES, MAX_RECORDS_PER_MESSAGE, Record, count, encode, pack
+from ..schemas.jsonsafe import json_safe
 from .spill import Entry, SpillFile, claim_orphans
 from .transport import TransportUnavailable
 
@@ -88,7 +91,7 @@ class Worker:
             self._start()
         if len(self._items) >= self._queue_size:
             # The worker is far behind: keep memory bounded and the record safe on disk.
-            entry = self._checked(topic, key, record)
+            entry = self._entry(topic, key, record)
             if entry is not None:
                 self._spill.append([entry])
             return
@@ -136,43 +139,74 @@ class Worker:
     def _run(self) -> None:
         self._spill.append(claim_orphans(self._spill_dir, own=self._spill.path))
         while True:
-            self._wakeup.wait(_TICK_S)
-            self._wakeup.clear()
-            entries: list[Entry] = []
-            while self._items:
-                item = self._items.popleft()
-                if isinstance(item, tuple):
-                    entry = self._encode(item)
-                    if entry is not None:
-                        entries.append(entry)
-                    if len(entries) % _YIELD_EVERY == 0:
-                        # Hand the GIL back to the training thread now and then, instead
-                        # of making it wait out the interpreter's 5 ms switch interval.
-                        time.sleep(0)
-                    continue
-                self._deliver(entries)
-                entries = []
-                if isinstance(item, _Stop):
+            try:
+                if self._tick():
                     return
-                self._finish_flush(item)
-            if entries or (self._spill.count and time.monotonic() >= self._retry_at):
-                self._deliver(entries)
+            except Exception:  # last resort: this thread is every later record's way to Kafka
+                log.exception("trainmon: the producer's sender thread hit an error; it goes on")
+
+    def _tick(self) -> bool:
+        """Encode and deliver what is queued; True when told to stop."""
+        self._wakeup.wait(_TICK_S)
+        self._wakeup.clear()
+        entries: list[Entry] = []
+        while self._items:
+            item = self._items.popleft()
+            if isinstance(item, tuple):
+                entry = self._encode(item)
+                if entry is not None:
+                    entries.append(entry)
+                if len(entries) % _YIELD_EVERY == 0:
+                    # Hand the GIL back to the training thread now and then, instead
+                    # of making it wait out the interpreter's 5 ms switch interval.
+                    time.sleep(0)
+                continue
+            self._deliver(entries)
+            entries = []
+            if isinstance(item, _Stop):
+                return True
+            self._finish_flush(item)
+        if entries or (self._spill.count and time.monotonic() >= self._retry_at):
+            self._deliver(entries)
+        return False
 
     def _encode(self, item: tuple) -> Entry | None:
         topic, key, record = item
+        encoded = self._encoded(record)
+        if encoded is None:
+            return None
+        record, value = encoded  # the observers see what Kafka gets
         for observe in self._observers:
             try:
                 observe(record)
             except Exception:  # a local log sink must never cost a record
                 log.exception("trainmon: local log sink failed")
-        return self._checked(topic, key, record)
+        return self._checked(topic, key, record, value)
 
-    def _checked(self, topic: str, key: bytes, record: Record) -> Entry | None:
-        value = encode(record)
+    def _entry(self, topic: str, key: bytes, record: Record) -> Entry | None:
+        encoded = self._encoded(record)
+        return None if encoded is None else self._checked(topic, key, *encoded)
+
+    def _encoded(self, record: Record) -> tuple[Record, bytes] | None:
+        """The record's JSON, or None once it is rejected: one record that cannot be
+        encoded is counted and logged, never an exception that ends the sender thread."""
+        try:
+            return encode_safely(record)
+        except Exception as exc:
+            self._reject(record, f"cannot be written as JSON: {type(exc).__name__}: {exc}")
+            return None
+
+    def _checked(self, topic: str, key: bytes, record: Record, value: bytes) -> Entry | None:
         if len(value) > self._max_record_bytes:
-            self._on_reject(record, too_large(record, len(value), self._max_record_bytes))
+            self._reject(record, too_large(record, len(value), self._max_record_bytes))
             return None
         return topic, key, value
+
+    def _reject(self, record: Record, reason: str) -> None:
+        try:
+            self._on_reject(record, reason)
+        except Exception:
+            log.exception("trainmon: dropped a %s record: %s", record.kind, reason)
 
     def _deliver(self, entries: list[Entry]) -> None:
         messages = pack_messages(entries)
@@ -206,6 +240,44 @@ class Worker:
         marker.ok = (remaining > 0 and self._transport.flush(remaining)
                      and self._spill.count == 0)
         marker.done.set()
+
+
+def encode_safely(record: Record) -> tuple[Record, bytes]:
+    """A record and its JSON, for any value a caller could put in it.
+
+    pydantic takes anything into a free-form field (``RunRecord.config``, typed
+    ``dict[str, Any]``) but cannot serialize ``torch.bfloat16``, a numpy array,
+    ``object()`` or a dict that holds itself, and writes nesting deeper than consumers can
+    parse. Free-form fields therefore always go through ``json_safe`` (odd values become
+    text, anything JSON holds keeps its value), as does any other field that fails to
+    serialize. The record returned is a copy when a field was changed."""
+    free = _free_form_fields(type(record))
+    if free:
+        record = record.model_copy(update={name: json_safe(getattr(record, name)) for name in free
+                                           if getattr(record, name) is not None})
+    try:
+        return record, encode(record)
+    except Exception:
+        pass
+    fixed = {}
+    for name in type(record).model_fields:
+        try:
+            record.model_dump_json(include={name})
+        except Exception:
+            fixed[name] = json_safe(getattr(record, name))
+    safe = record.model_copy(update=fixed)
+    return safe, encode(safe)
+
+
+@lru_cache(maxsize=None)
+def _free_form_fields(model: type[Record]) -> tuple[str, ...]:
+    """Fields whose type lets any value in (``Any`` somewhere in the annotation)."""
+    return tuple(name for name, field in model.model_fields.items()
+                 if _mentions_any(field.annotation))
+
+
+def _mentions_any(annotation) -> bool:
+    return annotation is Any or any(_mentions_any(a) for a in typing.get_args(annotation))
 
 
 def pack_messages(entries: list[Entry]) -> list[Entry]:
