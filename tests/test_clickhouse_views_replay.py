@@ -44,7 +44,8 @@ def fixture_records() -> list:
                     incident_id="a", message="spike over"),
         AlertRecord(**env(1, 22, "alert-b1"), rule="straggler", severity="warning", state="firing",
                     incident_id="b", ranks=[1], message="rank 1 slow"),
-        RunRecord(**env(0, 60, "run-end"), event="end", status="failed"),
+        RunRecord(**env(0, 60, "run-end"), event="end", status="failed",
+                  reason="CUDA out of memory"),
     ]
     return records
 
@@ -98,6 +99,7 @@ def test_views_and_replay(bootstrap, topic_prefix, make_producer, tmp_path):
         summary = live.rows("SELECT * FROM trainmon.run_summary")
         assert summary == [{
             "run_id": "vw-run", "name": "vw", "project": "proj", "status": "failed",
+            "reason": "CUDA out of memory",
             "world_size": 2, "ranks": 2, "steps": 3, "last_step": 2, "tokens": 6000,
             "last_loss": 1.25, "best_eval_loss": 1.8, "evals": 3, "alerts_fired": 2,
             "alerts_critical": 1, "alerts_open": 1,

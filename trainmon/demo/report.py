@@ -9,6 +9,7 @@ import base64
 import html
 import io
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -85,12 +86,27 @@ def _png(fig) -> str:
 
 
 def _by_rank(data: list[dict], value: str) -> dict[int, tuple[list, list]]:
+    """rank -> (steps, values); a NULL (not logged) becomes NaN, a gap in the line."""
     series: dict[int, tuple[list, list]] = defaultdict(lambda: ([], []))
     for row in data:
         xs, ys = series[row["rank"]]
         xs.append(row["step"])
         ys.append(float(row[value]) if row[value] is not None else float("nan"))
     return series
+
+
+def _plot_by_rank(ax, data: list[dict], value: str, log_scale: bool = False) -> None:
+    """One line per rank; a metric no step logged says so instead of an empty chart."""
+    series = _by_rank(data, value)
+    finite = [y for _, ys in series.values() for y in ys if math.isfinite(y)]
+    if not finite:
+        ax.text(0.5, 0.5, "not logged", transform=ax.transAxes, ha="center", va="center",
+                color="gray")
+        return
+    for rank, (xs, ys) in sorted(series.items()):
+        ax.plot(xs, ys, label=f"rank {rank}", linewidth=1)
+    if log_scale and any(y > 0 for y in finite):
+        ax.set_yscale("log")
 
 
 def write_report(target: Target, run_id: str, path: Path) -> Path:
@@ -124,15 +140,13 @@ def write_report(target: Target, run_id: str, path: Path) -> Path:
 
     fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
     for name, ax in zip(("loss", "norm", "lr"), axes):
-        for rank, (xs, ys) in sorted(_by_rank(steps, name).items()):
-            ax.plot(xs, ys, label=f"rank {rank}", linewidth=1)
+        _plot_by_rank(ax, steps, name, log_scale=name == "norm")
         if name == "loss" and evals:
             ax.plot([e["step"] for e in evals], [e["loss"] for e in evals], "k^", label="eval loss")
-        if name == "norm":
-            ax.set_yscale("log")
         ax.set_ylabel({"loss": "loss", "norm": "grad norm", "lr": "learning rate"}[name])
         mark_alerts(ax)
-    axes[0].legend(fontsize=8, ncol=5)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=8, ncol=5)
     axes[-1].set_xlabel("step")
     figures.append(("Loss, grad norm and learning rate, with alerts", _png(fig)))
     plt.close(fig)
@@ -140,12 +154,11 @@ def write_report(target: Target, run_id: str, path: Path) -> Path:
     fig, axes = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
     for name, ax, label in ((("tokens_per_second"), axes[0], "tokens/s"),
                             ("duration_ms", axes[1], "step time (ms)")):
-        for rank, (xs, ys) in sorted(_by_rank(steps, name).items()):
-            ax.plot(xs, ys, label=f"rank {rank}", linewidth=1)
+        _plot_by_rank(ax, steps, name, log_scale=name == "duration_ms")
         ax.set_ylabel(label)
         mark_alerts(ax)
-    axes[1].set_yscale("log")
-    axes[0].legend(fontsize=8, ncol=5)
+    if axes[0].get_legend_handles_labels()[0]:
+        axes[0].legend(fontsize=8, ncol=5)
     axes[-1].set_xlabel("step")
     figures.append(("Throughput and step time per rank", _png(fig)))
     plt.close(fig)

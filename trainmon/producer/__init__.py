@@ -4,6 +4,7 @@ Module-level calls use one producer per process, configured from the environment
 
     import trainmon.producer as tm
     tm.log_step(step, epoch=..., step_tokens=..., duration_ms=..., loss=..., norm=..., lr=...)
+    tm.run_end("failed", reason="CUDA out of memory")
 """
 
 from __future__ import annotations
@@ -27,40 +28,47 @@ def get_producer() -> Producer:
     return _default
 
 
-def log_step(step: int, **fields: Any) -> bool:
-    return get_producer().log_step(step, **fields)
+# Arguments pass through untouched (``*args``), so that a call Python itself would refuse
+# (a missing or doubled argument) reaches the producer, which never raises for it in the
+# default mode: see Producer.log_step and friends for the arguments.
+def log_step(*args: Any, **fields: Any) -> bool:
+    """``log_step(step, loss=..., epoch=, step_tokens=, duration_ms=, norm=, lr=, **megatron)``"""
+    return get_producer().log_step(*args, **fields)
 
 
-def log_eval(step: int, **fields: Any) -> bool:
-    return get_producer().log_eval(step, **fields)
+def log_eval(*args: Any, **fields: Any) -> bool:
+    """``log_eval(step, loss=..., epoch=, eval_tokens=, duration_ms=)``"""
+    return get_producer().log_eval(*args, **fields)
 
 
-def log_moe_stats(step: int, **fields: Any) -> bool:
-    return get_producer().log_moe_stats(step, **fields)
+def log_moe_stats(*args: Any, **fields: Any) -> bool:
+    return get_producer().log_moe_stats(*args, **fields)
 
 
-def log_gpu_state(step: int, **fields: Any) -> bool:
-    return get_producer().log_gpu_state(step, **fields)
+def log_gpu_state(*args: Any, **fields: Any) -> bool:
+    return get_producer().log_gpu_state(*args, **fields)
 
 
-def log_allocator(step: int, stats: list[dict], **fields: Any) -> bool:
-    return get_producer().log_allocator(step, stats, **fields)
+def log_allocator(*args: Any, **fields: Any) -> bool:
+    return get_producer().log_allocator(*args, **fields)
 
 
-def log_dataset(split: str, **fields: Any) -> bool:
-    return get_producer().log_dataset(split, **fields)
+def log_dataset(*args: Any, **fields: Any) -> bool:
+    return get_producer().log_dataset(*args, **fields)
 
 
 def log_gpu_model(**fields: Any) -> bool:
     return get_producer().log_gpu_model(**fields)
 
 
-def run_start(config: dict | None = None, **fields: Any) -> bool:
-    return get_producer().run_start(config, **fields)
+def run_start(*args: Any, **fields: Any) -> bool:
+    """``run_start(config=None, name=, project=, hostnames=, versions=)``"""
+    return get_producer().run_start(*args, **fields)
 
 
-def run_end(status: str = "success", **fields: Any) -> bool:
-    return get_producer().run_end(status, **fields)
+def run_end(*args: Any, **fields: Any) -> bool:
+    """``run_end(status="success", reason=None)``: reason says why it ended."""
+    return get_producer().run_end(*args, **fields)
 
 
 def flush(timeout: float = 10.0) -> bool:

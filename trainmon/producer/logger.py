@@ -4,11 +4,20 @@
     with Producer() as tm:              # settings from TRAINMON_* / torchrun env vars
         tm.run_start(config=cfg)
         tm.log_step(step, epoch=..., step_tokens=..., duration_ms=..., loss=..., norm=..., lr=...)
+
+Only ``step`` and ``loss`` are required; a value not passed is "not logged" (None).
+
+A log call never raises in the default mode: whatever is wrong with it (a bad value, a
+missing or unknown argument, an envelope field such as ``host=`` passed as an argument,
+an integer beyond Int64) rejects that one record, counts it in ``producer.rejected`` and
+logs one warning per record kind naming what was wrong. ``TRAINMON_STRICT=1`` raises
+instead (pydantic's ``ValidationError``, or ``TypeError`` for a bad call).
 """
 
 from __future__ import annotations
 
 import atexit
+import functools
 import itertools
 import logging
 import os
@@ -34,12 +43,51 @@ UTC = timezone.utc
 # flood the training job's console. trainmon reports outages itself in one line.
 logging.getLogger("kafka").setLevel(os.environ.get("TRAINMON_KAFKA_LOG_LEVEL", "CRITICAL").upper())
 
+# The envelope's fields are filled in by the producer; passed to a log call they are refused.
+ENVELOPE_FIELDS = frozenset(Record.model_fields)
+MAX_REASON_CHARS = 4096  # a run end's reason beyond this is cut (a traceback line can be huge)
+
+
+class _Missing:
+    """Default of a required argument: left out of the record, so the schema reports the
+    field as missing instead of Python raising TypeError on the training thread."""
+
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+MISSING: Any = _Missing()
+
+
+def _never_raises(kind: str):
+    """In the default mode a log call that cannot even be made (wrong positional
+    arguments, an argument given twice) is a rejected record, not an exception."""
+
+    def wrap(method):
+        @functools.wraps(method)
+        def call(self: "Producer", *args: Any, **fields: Any) -> bool:
+            try:
+                return method(self, *args, **fields)
+            except Exception as exc:
+                if self.config.strict:
+                    raise
+                self._reject(kind, f"{method.__name__}(): {type(exc).__name__}: {exc}")
+                return False
+        return call
+    return wrap
+
 
 class Producer:
     def __init__(self, config: ProducerConfig | None = None, **overrides: Any):
         self.config = config or ProducerConfig.from_env(**overrides)
         cfg = self.config
         self.rejected: dict[str, int] = {}
+        # Why every log call is refused (a run_id over the schema's limit), or None.
+        self.disabled_reason: str | None = _envelope_problem(cfg)
+        if self.disabled_reason is not None:
+            if cfg.strict:
+                raise ValueError(self.disabled_reason)
+            log.error("%s", self.disabled_reason)
         self._key = topics.record_key(cfg.run_id, cfg.rank)
         self._topics = {}
         self._envelope = {"run_id": cfg.run_id, "rank": cfg.rank,
@@ -74,6 +122,18 @@ class Producer:
     def _emit(self, model: type[Record], fields: dict[str, Any]) -> bool:
         if not self.config.enabled:
             return False
+        if self.disabled_reason is not None:  # said once, loudly, when the producer was made
+            self.rejected[model.kind] = self.rejected.get(model.kind, 0) + 1
+            return False
+        clash = ENVELOPE_FIELDS.intersection(fields)
+        if clash:
+            problem = (f"{', '.join(sorted(clash))}: set by the producer for every record "
+                       f"(envelope), not an argument of a log call")
+            if self.config.strict:
+                raise TypeError(problem)
+            self._reject(model.kind, problem)
+            return False
+        fields = {k: v for k, v in fields.items() if v is not MISSING}
         try:
             record = model(**self._envelope, time=datetime.now(UTC),
                            event_id=f"{self._id_prefix}-{next(self._ids)}", **fields)
@@ -103,42 +163,63 @@ class Producer:
 
     # -- Surogate / Megatron style calls ------------------------------------------------
 
-    def log_step(self, step: int, *, epoch: float = 0.0, step_tokens: int, duration_ms: float,
-                 loss: float, norm: float, lr: float, **megatron: Any) -> bool:
+    # Required arguments default to MISSING (reported by the schema as a missing field);
+    # the others to None, "not logged". Each returns True when the record was queued.
+
+    @_never_raises("step")
+    def log_step(self, step: int = MISSING, *, epoch: float | None = None,
+                 step_tokens: int | None = None, duration_ms: float | None = None,
+                 loss: float = MISSING, norm: float | None = None, lr: float | None = None,
+                 **megatron: Any) -> bool:
         return self._emit(StepRecord, dict(step=step, epoch=epoch, step_tokens=step_tokens,
                                            duration_ms=duration_ms, loss=loss, norm=norm, lr=lr,
                                            **megatron))
 
-    def log_eval(self, step: int, *, epoch: float = 0.0, eval_tokens: int, duration_ms: float,
-                 loss: float) -> bool:
+    @_never_raises("eval")
+    def log_eval(self, step: int = MISSING, *, epoch: float | None = None,
+                 eval_tokens: int | None = None, duration_ms: float | None = None,
+                 loss: float = MISSING) -> bool:
         return self._emit(EvalRecord, dict(step=step, epoch=epoch, eval_tokens=eval_tokens,
                                            duration_ms=duration_ms, loss=loss))
 
-    def log_moe_stats(self, step: int, *, aux_loss: float, z_loss: float,
-                      expert_utilization: float, load_imbalance: float, **per_layer: Any) -> bool:
+    @_never_raises("moe")
+    def log_moe_stats(self, step: int = MISSING, *, aux_loss: float = MISSING,
+                      z_loss: float = MISSING, expert_utilization: float = MISSING,
+                      load_imbalance: float = MISSING, **per_layer: Any) -> bool:
         return self._emit(MoeRecord, dict(step=step, aux_loss=aux_loss, z_loss=z_loss,
                                           expert_utilization=expert_utilization,
                                           load_imbalance=load_imbalance, **per_layer))
 
-    def log_gpu_state(self, step: int, **fields: Any) -> bool:
+    @_never_raises("gpu")
+    def log_gpu_state(self, step: int = MISSING, **fields: Any) -> bool:
         return self._emit(GpuRecord, dict(step=step, **fields))
 
-    def log_allocator(self, step: int, stats: list[dict], **torch_stats: Any) -> bool:
+    @_never_raises("allocator")
+    def log_allocator(self, step: int = MISSING, stats: list[dict] = MISSING, **torch_stats: Any) -> bool:
         return self._emit(AllocatorRecord, dict(step=step, stats=stats, **torch_stats))
 
-    def log_dataset(self, split: str, *, files: int, tokens: int, **fields: Any) -> bool:
+    @_never_raises("dataset")
+    def log_dataset(self, split: str = MISSING, *, files: int = MISSING, tokens: int = MISSING,
+                    **fields: Any) -> bool:
         return self._emit(DatasetRecord, dict(split=split, files=files, tokens=tokens, **fields))
 
+    @_never_raises("gpu_model")
     def log_gpu_model(self, **fields: Any) -> bool:
         return self._emit(GpuModelRecord, fields)
 
+    @_never_raises("run")
     def run_start(self, config: dict | None = None, **fields: Any) -> bool:
         self._run_open = True
         return self._emit(RunRecord, dict(event="start", config=config or {}, **fields))
 
-    def run_end(self, status: str = "success", **fields: Any) -> bool:
+    @_never_raises("run")
+    def run_end(self, status: str = "success", reason: str | None = None, **fields: Any) -> bool:
+        """``reason``: why the run ended ("CUDA out of memory", the last line of a
+        traceback); cut to MAX_REASON_CHARS characters."""
         self._run_open = False
-        return self._emit(RunRecord, dict(event="end", status=status, **fields))
+        if isinstance(reason, str) and len(reason) > MAX_REASON_CHARS:
+            reason = reason[:MAX_REASON_CHARS - 3] + "..."
+        return self._emit(RunRecord, dict(event="end", status=status, reason=reason, **fields))
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -163,6 +244,28 @@ class Producer:
         if self._run_open:
             self.run_end("failed" if exc_type else "success")
         self.close()
+
+
+def _envelope_problem(cfg: ProducerConfig) -> str | None:
+    """Why no record of this producer could pass the schema (checked once, at creation,
+    instead of rejecting every record for it), or None."""
+    limits = Record.model_fields["run_id"].metadata
+    max_len = next((m.max_length for m in limits if getattr(m, "max_length", None)), None)
+    if max_len is not None and len(cfg.run_id) > max_len:
+        return (f"trainmon: the run id is {len(cfg.run_id)} characters long, over the limit of "
+                f"{max_len} (TRAINMON_RUN_ID, TORCHELASTIC_RUN_ID or SLURM_JOB_ID); this producer "
+                f"is disabled and logs nothing: set TRAINMON_RUN_ID to a shorter id")
+    envelope = {"run_id": cfg.run_id, "rank": cfg.rank, "world_size": cfg.world_size,
+                "host": cfg.host}
+    try:
+        Record.model_validate({**envelope, "time": datetime.now(UTC), "event_id": "probe"})
+    except ValidationError as exc:
+        # Only what the configuration sets counts here; the records' own checks do the rest.
+        errors = [e for e in exc.errors(include_url=False) if e["loc"] and e["loc"][0] in envelope]
+        if errors:
+            what = "; ".join(f"{e['loc'][0]}={envelope[e['loc'][0]]!r}: {e['msg']}" for e in errors)
+            return f"trainmon: this producer is disabled and logs nothing: {what}"
+    return None
 
 
 def _safe(text: str) -> str:

@@ -52,7 +52,8 @@ class ConsoleLine:
     """``:: step 100 [ 12.5%] \\ loss 2.3456 | norm 0.1234 | 125.3k tps | 156 ms | eta 02h15m``
 
     The arrow shows the loss trend against its moving average (``\\`` falling, ``/``
-    rising, ``-`` flat); ``!`` marks a grad-norm spike (> 5x its moving average).
+    rising, ``-`` flat); ``!`` marks a grad-norm spike (> 5x its moving average). A value
+    the step did not log (grad norm, throughput, duration) prints as ``n/a``.
     """
 
     def __init__(self, stream: TextIO | None = None, spike_factor: float = 5.0, alpha: float = 0.1):
@@ -63,7 +64,9 @@ class ConsoleLine:
         self._norm_avg: float | None = None
         self._ms_avg: float | None = None
 
-    def _ema(self, avg: float | None, value: float) -> float:
+    def _ema(self, avg: float | None, value: float | None) -> float | None:
+        if value is None:
+            return avg
         if not math.isfinite(value):
             return avg if avg is not None else value
         return value if avg is None or not math.isfinite(avg) else avg + self._alpha * (value - avg)
@@ -75,17 +78,19 @@ class ConsoleLine:
                 arrow = "\\"
             elif r.loss > self._loss_avg * 1.01:
                 arrow = "/"
-        spike = "!" if (self._norm_avg is not None and self._norm_avg > 0
+        spike = "!" if (r.norm is not None and self._norm_avg is not None and self._norm_avg > 0
                         and r.norm > self._spike_factor * self._norm_avg) else " "
         self._loss_avg = self._ema(self._loss_avg, r.loss)
         self._norm_avg = self._ema(self._norm_avg, r.norm)
         self._ms_avg = self._ema(self._ms_avg, r.duration_ms)
         progress = f"[{100.0 * r.step / r.total_steps:5.1f}%] " if r.total_steps else ""
         eta = ""
-        if r.total_steps and self._ms_avg is not None:
+        if r.total_steps and self._ms_avg is not None and math.isfinite(self._ms_avg):
             eta = f" | eta {_eta((r.total_steps - r.step) * self._ms_avg / 1000.0)}"
-        return (f":: step {r.step} {progress}{arrow} loss {r.loss:.4f} |{spike}norm {r.norm:.4f} | "
-                f"{_tokens_per_second(r.tokens_per_second)} | {r.duration_ms:.0f} ms{eta}")
+        norm = "n/a" if r.norm is None else f"{r.norm:.4f}"
+        ms = "n/a ms" if r.duration_ms is None else f"{r.duration_ms:.0f} ms"
+        return (f":: step {r.step} {progress}{arrow} loss {r.loss:.4f} |{spike}norm {norm} | "
+                f"{_tokens_per_second(r.tokens_per_second)} | {ms}{eta}")
 
     def __call__(self, record: Record) -> None:
         if isinstance(record, StepRecord):

@@ -7,34 +7,63 @@ ms) with Megatron's optional step fields (loss scale, params norm, num zeros, ..
 from __future__ import annotations
 
 import math
-from typing import Any, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .envelope import Record
 
+# ClickHouse stores every int field as Int64: a larger value would pass validation here and
+# be refused there, far from the caller. So no int field is plain ``int``: each is one of
+# these two (or has tighter bounds of its own), and tests/test_producer_never_raises.py
+# checks that every int field of every record refuses 2**63.
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+Count = Annotated[int, Field(ge=0, le=INT64_MAX)]  # non-negative (steps, tokens, bytes, ...)
+
+
+def _not_negative(value: float) -> float:
+    # NaN and +-inf are data (a broken timer, an overflowed epoch counter) and kept, like a
+    # NaN loss: ``ge=0`` would refuse NaN and with it the whole record, loss included.
+    if value < 0 and math.isfinite(value):
+        raise ValueError("must be >= 0 (NaN and +-inf are kept as data)")
+    return value
+
+
+# A float that is >= 0 when finite; NaN, inf and -inf pass.
+NonNegativeOrNonFinite = Annotated[float, AfterValidator(_not_negative)]
+
+
+def _rate(tokens: int | None, duration_ms: float | None) -> float | None:
+    """tokens / second, when both were logged and the duration is a positive number."""
+    if tokens is None or duration_ms is None or not (0 < duration_ms < math.inf):
+        return None
+    return tokens * 1000.0 / duration_ms
 
 
 class StepRecord(Record):
     kind = "step"
 
-    step: int = Field(ge=0)
-    epoch: float = Field(ge=0)
-    step_tokens: int = Field(ge=0)
-    duration_ms: float = Field(ge=0)
+    # Only step and loss are required. The others are None when the framework did not log
+    # them (NULL in ClickHouse, no point in W&B / Aim / TensorBoard, "no data" for the alert
+    # rules), which is not the same as NaN: logged, and not finite.
+    step: Count
+    epoch: Optional[NonNegativeOrNonFinite] = None
+    step_tokens: Optional[Count] = None
+    duration_ms: Optional[NonNegativeOrNonFinite] = None
     loss: float
-    norm: float  # global grad L2 norm after clipping
-    lr: float
-    tokens_per_second: Optional[float] = None  # derived: step_tokens / duration
+    norm: Optional[float] = None  # global grad L2 norm after clipping
+    lr: Optional[float] = None
+    tokens_per_second: Optional[float] = None  # derived: step_tokens / duration, when both logged
     # Megatron's optional fields.
-    total_steps: Optional[int] = Field(default=None, ge=0)
+    total_steps: Optional[Count] = None
     loss_scale: Optional[float] = None
     params_norm: Optional[float] = None
-    num_zeros: Optional[int] = Field(default=None, ge=0)
-    num_params: Optional[int] = Field(default=None, ge=0)
-    consumed_samples: Optional[int] = Field(default=None, ge=0)
-    skipped: Optional[int] = Field(default=None, ge=0)
-    global_batch_size: Optional[int] = Field(default=None, ge=0)
+    num_zeros: Optional[Count] = None
+    num_params: Optional[Count] = None
+    consumed_samples: Optional[Count] = None
+    skipped: Optional[Count] = None
+    global_batch_size: Optional[Count] = None
     tflops_per_gpu: Optional[float] = None
     sol_percent: Optional[float] = None
     losses: Optional[dict[str, float]] = None
@@ -42,26 +71,26 @@ class StepRecord(Record):
 
     @model_validator(mode="after")
     def _derive(self) -> "StepRecord":
-        if self.tokens_per_second is None and self.duration_ms > 0:
-            self.tokens_per_second = self.step_tokens * 1000.0 / self.duration_ms
+        if self.tokens_per_second is None:
+            self.tokens_per_second = _rate(self.step_tokens, self.duration_ms)
         return self
 
 
 class EvalRecord(Record):
     kind = "eval"
 
-    step: int = Field(ge=0)
-    epoch: float = Field(ge=0)
-    eval_tokens: int = Field(ge=0)
-    duration_ms: float = Field(ge=0)
+    step: Count
+    epoch: Optional[NonNegativeOrNonFinite] = None
+    eval_tokens: Optional[Count] = None
+    duration_ms: Optional[NonNegativeOrNonFinite] = None
     loss: float
     tokens_per_second: Optional[float] = None
     perplexity: Optional[float] = None
 
     @model_validator(mode="after")
     def _derive(self) -> "EvalRecord":
-        if self.tokens_per_second is None and self.duration_ms > 0:
-            self.tokens_per_second = self.eval_tokens * 1000.0 / self.duration_ms
+        if self.tokens_per_second is None:
+            self.tokens_per_second = _rate(self.eval_tokens, self.duration_ms)
         if self.perplexity is None:
             try:
                 self.perplexity = math.exp(self.loss)
@@ -73,7 +102,7 @@ class EvalRecord(Record):
 class MoeRecord(Record):
     kind = "moe"
 
-    step: int = Field(ge=0)
+    step: Count
     aux_loss: float
     z_loss: float
     expert_utilization: float = Field(ge=0, le=1)  # fraction of experts that got tokens
@@ -87,70 +116,70 @@ class MoeRecord(Record):
 class GpuRecord(Record):
     kind = "gpu"
 
-    step: int = Field(ge=0)
-    id: int = Field(ge=0)
-    clock: int = Field(ge=0)  # MHz
-    max_clock: int = Field(ge=0)  # MHz
-    power: int = Field(ge=0)  # mW
-    power_limit: int = Field(ge=0)  # mW
-    temperature: int  # degrees C
-    temp_slowdown: int  # degrees C
+    step: Count
+    id: Count
+    clock: Count  # MHz
+    max_clock: Count  # MHz
+    power: Count  # mW
+    power_limit: Count  # mW
+    temperature: Int64  # degrees C
+    temp_slowdown: Int64  # degrees C
     gpu_util: int = Field(ge=0, le=100)  # %
     mem_util: int = Field(ge=0, le=100)  # %
-    dram_free: int = Field(ge=0)  # bytes
-    pcie_rx: int = Field(ge=0)  # bytes/s
-    pcie_tx: int = Field(ge=0)  # bytes/s
+    dram_free: Count  # bytes
+    pcie_rx: Count  # bytes/s
+    pcie_tx: Count  # bytes/s
     fan: int = Field(ge=0, le=100)  # %
     throttle: str = ""  # active clock-throttle reasons, "" when none
-    energy: Optional[int] = Field(default=None, ge=0)  # mJ since driver load
+    energy: Optional[Count] = None  # mJ since driver load
 
 
 class AllocatorSegment(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str
-    device: int = Field(ge=0)  # bytes
-    managed: int = Field(ge=0)  # bytes
-    pinned: int = Field(ge=0)  # bytes
-    pageable: int = Field(ge=0)  # bytes
+    device: Count  # bytes
+    managed: Count  # bytes
+    pinned: Count  # bytes
+    pageable: Count  # bytes
 
 
 class AllocatorRecord(Record):
     kind = "allocator"
 
-    step: int = Field(ge=0)
+    step: Count
     stats: list[AllocatorSegment]
     # torch.cuda.memory_stats(), when the job runs on torch + CUDA.
-    allocated: Optional[int] = Field(default=None, ge=0)
-    peak_allocated: Optional[int] = Field(default=None, ge=0)
-    active: Optional[int] = Field(default=None, ge=0)
-    inactive: Optional[int] = Field(default=None, ge=0)
-    reserved: Optional[int] = Field(default=None, ge=0)
-    alloc_retries: Optional[int] = Field(default=None, ge=0)
+    allocated: Optional[Count] = None
+    peak_allocated: Optional[Count] = None
+    active: Optional[Count] = None
+    inactive: Optional[Count] = None
+    reserved: Optional[Count] = None
+    alloc_retries: Optional[Count] = None
 
 
 class DatasetRecord(Record):
     kind = "dataset"
 
     split: Literal["train", "eval"]
-    files: int = Field(ge=0)
-    tokens: int = Field(ge=0)
-    file_index: int = Field(default=0, ge=0)
-    chunk_index: int = Field(default=0, ge=0)
-    seed: int = 0
+    files: Count
+    tokens: Count
+    file_index: Count = 0
+    chunk_index: Count = 0
+    seed: Int64 = 0
 
 
 class GpuModelRecord(Record):
     kind = "gpu_model"
 
-    id: int = Field(default=0, ge=0)
+    id: Count = 0
     name: str
-    sm_count: int = Field(ge=0)
-    major: int = Field(ge=0)
-    minor: int = Field(ge=0)
-    memory: int = Field(ge=0)  # bytes
-    free: int = Field(ge=0)  # bytes
-    l2_size: int = Field(ge=0)  # bytes
+    sm_count: Count
+    major: Count
+    minor: Count
+    memory: Count  # bytes
+    free: Count  # bytes
+    l2_size: Count  # bytes
     uuid: str = ""
     ecc: bool = False
     cuda_driver: str = ""
@@ -173,6 +202,9 @@ class RunRecord(Record):
     config: dict[str, Any] = Field(default_factory=dict)
     hostnames: list[str] = Field(default_factory=list)
     versions: dict[str, str] = Field(default_factory=dict)  # library -> version
+    # Why the run ended, on an end record: "CUDA out of memory", "NCCL watchdog timeout",
+    # the last line of a Python traceback. None when not given.
+    reason: Optional[str] = None
 
     @model_validator(mode="after")
     def _default_status(self) -> "RunRecord":
@@ -188,8 +220,8 @@ class AlertRecord(Record):
     severity: Literal["info", "warning", "critical"]
     state: Literal["firing", "resolved"]
     incident_id: str  # the same for the firing and the resolved event of one incident
-    ranks: list[int] = Field(default_factory=list)
-    step: Optional[int] = Field(default=None, ge=0)
+    ranks: list[Int64] = Field(default_factory=list)
+    step: Optional[Count] = None
     value: Optional[float] = None
     threshold: Optional[float] = None
     message: str

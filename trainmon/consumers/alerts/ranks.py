@@ -8,6 +8,7 @@ partition to its end: a partition read later than another must not look like a s
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections import defaultdict
 
@@ -26,8 +27,8 @@ class StragglerRule(Rule):
 
     def observe(self, r, t, run, rank):
         value = r.duration_ms if self.cfg.timer is None else (r.timers or {}).get(self.cfg.timer)
-        if value is None:
-            return None
+        if value is None or math.isnan(value):
+            return None  # not logged (or NaN): this rank has no time to compare at this step
         pending = run.slots.get(self.name)
         if pending is None:
             pending = run.slots[self.name] = {}

@@ -4,6 +4,10 @@ A rule keeps what it needs per rank (a rolling window) in ``rank.slots[rule.name
 tells the incident book whether the record is bad or healthy; the book decides whether
 that fires or resolves an incident. Cross-rank rules (straggler, rank mismatch, stall)
 live in ranks.py.
+
+A field the record does not carry (None: the framework did not log it) is no data: the
+rule says nothing about that record, neither bad nor healthy, and keeps its window as it
+was. NaN is data (logged, not finite): the non-finite rule judges it, the others skip it.
 """
 
 from __future__ import annotations
@@ -93,12 +97,12 @@ class BaselineRule(WindowRule):
 
     field, what, baseline = "", "", "median"
     above = True  # which side of the limit is bad
-    skip_non_finite = True  # a NaN or inf value is neither judged nor kept
+    skip_non_finite = True  # a NaN or inf value is neither judged nor kept (NaN never is)
     needs_positive_baseline = True  # a baseline <= 0 would make every value a spike: no verdict
 
     def observe(self, r, t, run, rank):
         value = getattr(r, self.field)
-        if value is None or (self.skip_non_finite and not math.isfinite(value)):
+        if value is None or math.isnan(value) or (self.skip_non_finite and not math.isfinite(value)):
             return None
         window = rank.slot(self)
         out = None
@@ -144,7 +148,7 @@ class LossSpikeRule(BaselineRule):
 
 class IterationTimeSpikeRule(BaselineRule):
     field, what = "duration_ms", "iteration time spike"
-    skip_non_finite = False  # durations are validated >= 0 (never NaN); an inf one is judged
+    skip_non_finite = False  # an inf duration is judged (a NaN or absent one is not)
     needs_positive_baseline = False  # a zero median (all-zero durations) reports healthy
 
     def limit(self, median):
@@ -174,7 +178,8 @@ class NonFiniteRule(Rule):
     kinds = ("step",)
 
     def observe(self, r, t, run, rank):
-        loss_ok, norm_ok = math.isfinite(r.loss), math.isfinite(r.norm)
+        # An absent grad norm (not logged) is not a non-finite one: only the loss is judged.
+        loss_ok, norm_ok = math.isfinite(r.loss), r.norm is None or math.isfinite(r.norm)
         if loss_ok and norm_ok:
             return self.good(run, rank, step=r.step, t=t)
         what = " and ".join(f"{name} is {value}" for name, value, ok in
@@ -190,7 +195,7 @@ class ExplodingGradRule(Rule):
 
     def observe(self, r, t, run, rank):
         norm, limit = r.norm, self.cfg.threshold
-        if not math.isfinite(norm):
+        if norm is None or not math.isfinite(norm):
             return None
         if norm > limit:
             return self.bad(run, rank, step=r.step, t=t, value=norm, threshold=limit, message=(
@@ -203,6 +208,8 @@ class DeadGradientsRule(Rule):
     kinds = ("step",)
 
     def observe(self, r, t, run, rank):
+        if r.norm is None:
+            return None
         if r.norm == 0.0:
             return self.bad(run, rank, step=r.step, t=t, value=0.0, threshold=0.0, message=(
                 f"dead gradients on run {run.run_id}, rank {rank.rank}: grad norm is 0 at step "
@@ -236,7 +243,7 @@ class LrZeroRule(Rule):
     kinds = ("step",)
 
     def observe(self, r, t, run, rank):
-        if r.step < self.cfg.after_step:
+        if r.lr is None or r.step < self.cfg.after_step:
             return None
         if r.total_steps and r.step >= r.total_steps * (1.0 - self.cfg.final_fraction):
             return None

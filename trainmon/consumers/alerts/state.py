@@ -4,6 +4,7 @@ reached, and each rule's own per-rank state."""
 from __future__ import annotations
 
 import bisect
+import math
 from typing import Any
 
 from .stats import RollingMedian
@@ -73,7 +74,8 @@ class RunState:
     def active_ranks(self) -> list[RankState]:
         return [rs for rs in self.ranks.values() if not rs.ended and rs.last_step is not None]
 
-    def on_step(self, rs: RankState, step: int, t: float, duration_ms: float, received: float) -> None:
+    def on_step(self, rs: RankState, step: int, t: float, duration_ms: float | None,
+                received: float) -> None:
         if rs.last_step is not None and step < rs.last_step:
             self.rewind()  # resumed from a checkpoint: step counts start over
         rs.last_step = step
@@ -85,7 +87,8 @@ class RunState:
             self.seen_steps.append(step)
             self.seen_times.append(t)
             self.seen_received.append(received)
-            self.step_seconds.push(duration_ms / 1000.0)
+            if duration_ms is not None and math.isfinite(duration_ms):  # else: no data
+                self.step_seconds.push(duration_ms / 1000.0)
             if len(self.seen_steps) > MAX_SEEN_STEPS:
                 del self.seen_steps[:MAX_SEEN_STEPS // 2]
                 del self.seen_times[:MAX_SEEN_STEPS // 2]

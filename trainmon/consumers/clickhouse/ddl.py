@@ -31,7 +31,7 @@ import types
 import typing
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, Callable, Literal, Union
+from typing import Annotated, Any, Callable, Literal, Union
 
 from pydantic import BaseModel
 
@@ -83,11 +83,19 @@ def _json_text(value):
     return "" if value is None else json.dumps(value, separators=(",", ":"), default=str)
 
 
+def _bare(annotation):
+    """The type under ``Annotated[...]`` (bounds such as the schemas' Int64 / Count)."""
+    while typing.get_origin(annotation) is Annotated:
+        annotation = typing.get_args(annotation)[0]
+    return annotation
+
+
 def unwrap_optional(annotation) -> tuple[Any, bool]:
+    annotation = _bare(annotation)
     if typing.get_origin(annotation) in (Union, types.UnionType):
         args = [a for a in typing.get_args(annotation) if a is not type(None)]
         if len(args) == 1 and len(typing.get_args(annotation)) == 2:
-            return args[0], True
+            return _bare(args[0]), True
     return annotation, False
 
 
@@ -96,6 +104,7 @@ _SCALARS = {int: "Int64", float: "Float64", bool: "Bool", str: "String",
 
 
 def _scalar_type(annotation, field: str, where: str) -> str | None:
+    annotation = _bare(annotation)
     if typing.get_origin(annotation) is Literal:
         values = typing.get_args(annotation)
         if all(isinstance(v, str) for v in values):
@@ -192,31 +201,55 @@ def create_probe_table(client, kind: str, database: str) -> str:
 
 
 def existing_columns(client, database: str, table: str) -> list[str]:
-    result = client.query("SELECT name FROM system.columns WHERE database = {db:String} "
+    return list(column_types(client, database, table))
+
+
+def column_types(client, database: str, table: str) -> dict[str, str]:
+    """Column name -> ClickHouse type, in table order."""
+    result = client.query("SELECT name, type FROM system.columns WHERE database = {db:String} "
                           "AND table = {t:String} ORDER BY position",
                           parameters={"db": database, "t": table})
-    return [row[0] for row in result.result_rows]
+    return {row[0]: row[1] for row in result.result_rows}
+
+
+def _nullable_of(ch: str) -> str | None:
+    """The Nullable spelling of a plain scalar column type (None if there is none)."""
+    if ch == "LowCardinality(String)":
+        return "LowCardinality(Nullable(String))"
+    if ch.startswith(("Nullable(", "LowCardinality(", "Array(", "Map(", "Nested(")):
+        return None
+    return f"Nullable({ch})"
 
 
 def migrate_table(client, kind: str, database: str) -> list[str]:
-    """Add columns for schema fields the table lacks; returns the fields added.
+    """Add columns for schema fields the table lacks, and make a column Nullable whose
+    field became optional (e.g. ``step.norm``); returns the fields added or widened.
 
-    Only additions: a field whose type changed, or that was removed, keeps its old
-    column (ClickHouse cannot rewrite a column's type in place cheaply).
+    Otherwise a field whose type changed, or that was removed, keeps its old column
+    (ClickHouse cannot rewrite a column's type in place cheaply). Widening to Nullable is
+    the one retyping done: old rows keep their values, and without it a record lacking
+    the field could not be inserted at all.
     """
-    have = set(existing_columns(client, database, kind))
-    added = []
+    have = column_types(client, database, kind)
+    changed = []
     for f in table_fields(RECORD_TYPES[kind]):
         if not any(c.name in have for c in f.columns):
             client.command(f"ALTER TABLE {database}.{kind} ADD COLUMN IF NOT EXISTS {f.definition}")
-            added.append(f.field)
-    return added
+            changed.append(f.field)
+            continue
+        old = have.get(f.field) if len(f.columns) == 1 else None
+        if old is not None and old != f.columns[0].type and _nullable_of(old) == f.columns[0].type:
+            client.command(f"ALTER TABLE {database}.{kind} MODIFY COLUMN {f.definition}")
+            changed.append(f.field)
+    return changed
 
 
 def create_all(client, database: str = "trainmon") -> None:
     """Create (or migrate) the database, one table per record kind, and the views.
 
-    Safe to call at every start: existing tables only gain missing columns.
+    Safe to call at every start: existing tables only gain missing columns (and Nullable
+    where a field became optional), and the views are replaced (``CREATE OR REPLACE``), so
+    a view that gained a column has it after the next start.
     """
     from .views import create_views
 

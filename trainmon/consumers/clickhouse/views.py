@@ -9,7 +9,9 @@ spill-file replay) is counted once even before ClickHouse merges the duplicate a
 from __future__ import annotations
 
 # Megatron's "minmax" timers: per step, each timer's min and max over the ranks, and
-# which rank was slowest (the straggler).
+# which rank was slowest (the straggler). Step times not logged (NULL) or NaN are left
+# out of the timing columns (aggregates skip NULL), so one rank's broken timer does not
+# make the step's mean NaN; all of them missing gives NULL.
 STEP_ACROSS_RANKS = """
 CREATE OR REPLACE VIEW {db}.step_across_ranks AS
 SELECT
@@ -19,19 +21,23 @@ SELECT
     max(world_size) AS world_size,
     min(time) AS first_time,
     max(time) AS last_time,
-    min(duration_ms) AS min_duration_ms,
-    max(duration_ms) AS max_duration_ms,
-    avg(duration_ms) AS mean_duration_ms,
-    argMax(rank, duration_ms) AS slowest_rank,
-    argMin(rank, duration_ms) AS fastest_rank,
-    max(duration_ms) / nullIf(avg(duration_ms), 0) AS straggler_ratio,
+    min(ms) AS min_duration_ms,
+    max(ms) AS max_duration_ms,
+    avg(ms) AS mean_duration_ms,
+    argMax(rank, ms) AS slowest_rank,
+    argMin(rank, ms) AS fastest_rank,
+    max(ms) / nullIf(avg(ms), 0) AS straggler_ratio,
     sum(step_tokens) AS step_tokens,
     avg(loss) AS mean_loss,
     min(loss) AS min_loss,
     max(loss) AS max_loss,
     minMap(timers) AS timers_min_ms,
     maxMap(timers) AS timers_max_ms
-FROM {db}.step FINAL
+FROM (
+    SELECT run_id, step, rank, world_size, time, step_tokens, loss, timers,
+           if(isNaN(duration_ms), NULL, duration_ms) AS ms
+    FROM {db}.step FINAL
+)
 GROUP BY run_id, step
 """
 
@@ -70,11 +76,12 @@ SELECT
     runs.name AS name,
     runs.project AS project,
     runs.status AS status,
+    runs.reason AS reason,
     steps.world_size AS world_size,
     steps.ranks AS ranks,
     coalesce(steps.steps, 0) AS steps,
     steps.last_step AS last_step,
-    coalesce(steps.tokens, 0) AS tokens,
+    if(steps.steps > 0, steps.tokens, 0) AS tokens,
     steps.last_loss AS last_loss,
     evals.best_eval_loss AS best_eval_loss,
     coalesce(evals.evals, 0) AS evals,
@@ -98,7 +105,9 @@ LEFT JOIN (
     SELECT run_id,
            anyIf(name, event = 'start') AS name,
            anyIf(project, event = 'start') AS project,
-           argMax(status, time) AS status
+           argMax(status, time) AS status,
+           -- the latest end record that gave a reason; none once the run started again
+           if(argMax(event, time) = 'end', argMaxIf(reason, time, event = 'end'), NULL) AS reason
     FROM {db}.run FINAL
     GROUP BY run_id
 ) AS runs ON runs.run_id = seen.run_id

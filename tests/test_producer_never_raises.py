@@ -1,0 +1,210 @@
+"""In the default mode a log call never raises: a bad call is one rejected record, counted
+and warned about once per kind, naming what was wrong. Strict mode still raises. In-memory:
+the worker's queue is replaced by a list, nothing reaches Kafka."""
+
+from __future__ import annotations
+
+import logging
+import math
+import typing
+
+import pytest
+from pydantic import BaseModel, ValidationError
+
+import trainmon.producer as tm
+from trainmon.producer import Producer, ProducerConfig
+from trainmon.producer.logger import MAX_REASON_CHARS
+from trainmon.schemas import RECORD_TYPES
+
+INT64_MAX = 2**63 - 1
+STEP = dict(epoch=0.5, step_tokens=4096, duration_ms=120.0, loss=2.0, norm=1.0, lr=1e-4)
+ENVELOPE = {"host": "elsewhere", "rank": 3, "run_id": "other", "world_size": 8,
+            "time": "2026-01-01T00:00:00Z", "event_id": "mine", "schema_version": 1}
+
+
+@pytest.fixture
+def make(tmp_path):
+    made = []
+
+    def make(**overrides):
+        settings = dict(bootstrap="127.0.0.1:9", run_id="never-raises", spill_dir=tmp_path / "spill")
+        settings.update(overrides)
+        producer = Producer(ProducerConfig(**settings))
+        producer.sent = []
+        producer._worker.submit = lambda topic, key, record: producer.sent.append(record)
+        made.append(producer)
+        return producer
+
+    yield make
+    for producer in made:
+        producer.close(timeout=1)
+
+
+def warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "trainmon.producer"]
+
+
+@pytest.mark.parametrize("name", sorted(ENVELOPE))
+def test_an_envelope_field_passed_to_a_log_call_is_rejected_by_name(make, caplog, name):
+    producer = make()
+    with caplog.at_level(logging.WARNING, logger="trainmon.producer"):
+        assert producer.log_step(1, **STEP, **{name: ENVELOPE[name]}) is False
+        assert producer.log_eval(1, loss=1.0, **{name: ENVELOPE[name]}) is False
+        assert producer.run_end("failed", **{name: ENVELOPE[name]}) is False
+    assert producer.rejected == {"step": 1, "eval": 1, "run": 1}
+    assert producer.sent == []
+    (first, *_) = warnings(caplog)
+    assert name in first and "envelope" in first
+
+
+def test_missing_and_malformed_arguments_are_rejected_not_raised(make, caplog):
+    producer = make()
+    with caplog.at_level(logging.WARNING, logger="trainmon.producer"):
+        assert producer.log_step(5) is False                    # no loss
+        assert producer.log_step(loss=1.0) is False             # no step
+        assert producer.log_step() is False
+        assert producer.log_step(1, 2.0) is False               # loss given positionally
+        assert producer.log_step(1, step=2, loss=1.0) is False  # step given twice
+        assert producer.log_step(1, loss="two") is False
+        assert producer.log_eval() is False
+        assert producer.log_moe_stats(1, aux_loss=0.1) is False
+        assert producer.log_gpu_state() is False
+        assert producer.log_allocator(1) is False
+        assert producer.log_dataset() is False
+        assert producer.log_gpu_model(sm_count=1) is False
+        assert producer.run_start({}, "positional", "extra") is False
+        assert producer.run_end("finished") is False            # not a status
+    assert producer.rejected == {"step": 6, "eval": 1, "moe": 1, "gpu": 1, "allocator": 1,
+                                 "dataset": 1, "gpu_model": 1, "run": 2}
+    said = warnings(caplog)
+    assert len(said) == 8  # once per kind
+    step_warning = said[0]
+    assert "loss" in step_warning and "Field required" in step_warning
+    assert producer.sent == []
+    # ... and the producer keeps working
+    assert producer.log_step(6, loss=1.5) is True
+    assert [r.step for r in producer.sent] == [6]
+
+
+def test_module_level_calls_never_raise_either(make, monkeypatch):
+    producer = make()
+    monkeypatch.setattr(tm, "_default", producer)
+    assert tm.log_step() is False
+    assert tm.log_step(1, 2, 3) is False
+    assert tm.log_step(1, loss=1.0, host="x") is False
+    assert tm.log_eval(1) is False
+    assert tm.run_end("failed", reason="NCCL watchdog timeout") is True
+    assert producer.sent[-1].reason == "NCCL watchdog timeout"
+
+
+def test_a_non_finite_duration_or_epoch_is_data_and_keeps_the_loss(make):
+    producer = make()
+    assert producer.log_step(1, loss=2.5, duration_ms=math.nan, epoch=math.inf, step_tokens=10)
+    assert producer.log_step(2, loss=2.4, duration_ms=math.inf, epoch=math.nan)
+    assert producer.log_eval(2, loss=2.0, duration_ms=math.nan, epoch=-math.inf, eval_tokens=10)
+    first, second, evaluation = producer.sent
+    assert first.loss == 2.5 and math.isnan(first.duration_ms) and first.epoch == math.inf
+    assert first.tokens_per_second is None  # no rate from a NaN duration
+    assert second.duration_ms == math.inf and math.isnan(second.epoch)
+    assert math.isnan(evaluation.duration_ms) and evaluation.epoch == -math.inf
+    assert producer.rejected == {}
+    # a finite negative one is still wrong
+    assert producer.log_step(3, loss=2.3, duration_ms=-1.0) is False
+    assert producer.log_step(3, loss=2.3, epoch=-0.5) is False
+    assert producer.rejected == {"step": 2}
+
+
+@pytest.mark.parametrize("field", ["step", "step_tokens", "num_zeros", "consumed_samples",
+                                   "num_params", "total_steps", "global_batch_size", "skipped"])
+def test_integers_beyond_int64_are_refused_on_the_calling_thread(make, caplog, field):
+    producer = make()
+    fields = {**STEP, "step": 1}
+    with caplog.at_level(logging.WARNING, logger="trainmon.producer"):
+        assert producer.log_step(**{**fields, field: 2**70}) is False
+        assert producer.log_step(**{**fields, field: INT64_MAX}) is True
+    assert producer.rejected == {"step": 1}
+    (said,) = warnings(caplog)
+    assert field in said and "9223372036854775807" in said
+    assert [getattr(r, field) for r in producer.sent] == [INT64_MAX]
+
+
+def _int_fields(model: type[BaseModel], prefix: str = ""):
+    """(path, model, field, annotation kind) for every int-carrying field, nested included."""
+    for name, info in model.model_fields.items():
+        annotation = info.annotation
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        bare = [typing.get_args(a)[0] if typing.get_origin(a) is typing.Annotated else a
+                for a in (args or [annotation])]
+        origin = typing.get_origin(annotation)
+        if origin is list:
+            item = bare[0]
+            if isinstance(item, type) and issubclass(item, BaseModel):
+                yield from _int_fields(item, f"{prefix}{name}.")
+            elif item is int:
+                yield f"{prefix}{name}", model, name, "list"
+        elif int in bare and bool not in bare:
+            yield f"{prefix}{name}", model, name, "scalar"
+
+
+ENVELOPE_NAMES = {"run_id", "rank", "world_size", "host", "time", "event_id", "schema_version"}
+INT_FIELDS = [(kind, path, model, name, how) for kind, record in RECORD_TYPES.items()
+              for path, model, name, how in _int_fields(record) if name not in ENVELOPE_NAMES]
+
+
+def _refuses(model, name: str, how: str, beyond: int, error: str) -> bool:
+    value = [beyond] if how == "list" else beyond
+    try:
+        model.__pydantic_validator__.validate_assignment(model.model_construct(), name, value)
+    except ValidationError as exc:
+        return name in str(exc) and error in str(exc)
+    return False
+
+
+def test_every_int_field_of_every_record_is_bounded_to_int64():
+    """ClickHouse stores them as Int64: a field added without a bound fails here."""
+    paths = {f"{kind}.{path}" for kind, path, *_ in INT_FIELDS}
+    assert {"step.step", "step.num_zeros", "allocator.stats.device", "gpu.temperature",
+            "dataset.seed", "alert.ranks", "eval.eval_tokens"} <= paths
+    unbounded = [f"{kind}.{path}" for kind, path, model, name, how in INT_FIELDS
+                 if not (_refuses(model, name, how, 2**63, "less_than_equal")
+                         and _refuses(model, name, how, -2**63 - 1, "greater_than_equal"))]
+    assert unbounded == []
+
+
+def test_a_run_id_over_the_limit_disables_the_producer_with_one_error(make, caplog):
+    with caplog.at_level(logging.WARNING, logger="trainmon.producer"):
+        producer = make(run_id="r" * 300)
+        assert producer.log_step(1, loss=1.0) is False
+        assert producer.log_step(2, loss=1.0) is False
+        assert producer.run_end("failed") is False
+    said = [r for r in caplog.records if r.name == "trainmon.producer"]
+    assert len(said) == 1 and said[0].levelno == logging.ERROR
+    assert "300" in said[0].getMessage() and "256" in said[0].getMessage()
+    assert producer.sent == [] and producer.rejected == {"step": 2, "run": 1}
+    assert producer.disabled_reason is not None
+
+
+def test_run_end_carries_the_reason_cut_to_its_limit(make):
+    producer = make()
+    assert producer.run_end("failed", reason="CUDA out of memory")
+    assert producer.run_end("failed", "RuntimeError: NCCL watchdog timeout")
+    assert producer.run_end("failed", reason="x" * 10_000)
+    short, positional, long = producer.sent
+    assert short.reason == "CUDA out of memory" and short.status == "failed"
+    assert positional.reason == "RuntimeError: NCCL watchdog timeout"
+    assert len(long.reason) == MAX_REASON_CHARS and long.reason.endswith("...")
+
+
+def test_strict_mode_still_raises(make):
+    producer = make(strict=True)
+    with pytest.raises(TypeError, match="host"):
+        producer.log_step(1, loss=1.0, host="x")
+    with pytest.raises(ValidationError, match="loss"):
+        producer.log_step(1)
+    with pytest.raises(ValidationError, match="step"):
+        producer.log_step(2**70, loss=1.0)
+    with pytest.raises(TypeError):
+        producer.log_step(1, 2.0)
+    assert producer.log_step(1, loss=1.0, duration_ms=math.nan) is True
+    with pytest.raises(ValueError, match="256"):
+        make(strict=True, run_id="r" * 257)
