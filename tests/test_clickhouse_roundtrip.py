@@ -146,8 +146,8 @@ def test_poison_messages_are_dead_lettered_and_the_service_goes_on(
 
 def test_a_bad_record_inside_a_packed_message_is_dead_lettered_alone(bootstrap, topic_prefix, tmp_path):
     """One Kafka message packs five records; the second is not JSON and the fourth is
-    beyond what ClickHouse stores: those two go to the dead-letter topic, the other three
-    land, in one insert, with the message's offset."""
+    beyond Int64 (what ClickHouse stores, so the schema refuses it): those two go to the
+    dead-letter topic, the other three land, in one insert, with the message's offset."""
     step_topic = topics.topic_for("step", topic_prefix)
     good = [StepRecord(**envelope(i, rank=0), step=i, epoch=0, step_tokens=1, duration_ms=1,
                        loss=1, norm=1, lr=1) for i in range(3)]
@@ -205,16 +205,23 @@ def test_a_rebalance_with_rows_buffered_writes_each_once(kafka_broker, bootstrap
     rejects in part: the hand-over must neither stall nor lose or duplicate a row."""
     kafka_broker.create_topics(topics.all_topics(topic_prefix))
     step_topic = topics.topic_for("step", topic_prefix)
+    # A record the schema accepts and ClickHouse refuses (integers beyond Int64 no longer
+    # pass the schema): a CHECK constraint refuses step 99.
+    path = tmp_path / "chdb"
+    assert run_trainmon(bootstrap, "clickhouse", "init", "--path", str(path)).returncode == 0
+    done = run_trainmon(bootstrap, "sql", "--path", str(path),
+                        "ALTER TABLE trainmon.step ADD CONSTRAINT below_99 CHECK step < 99")
+    assert done.returncode == 0, done.stderr
     good = [StepRecord(**envelope(i, rank=0), step=i, epoch=0, step_tokens=1, duration_ms=1,
                        loss=1, norm=1, lr=1) for i in range(3)]
-    too_big = good[0].model_copy(update={"event_id": "too-big", "step": 99, "num_params": 2**70})
+    too_big = good[0].model_copy(update={"event_id": "too-big", "step": 99})
     raw = KafkaProducer(bootstrap_servers=bootstrap)
     for record in [*good, too_big]:
         raw.send(step_topic, key=b"rt-run/0", value=encode(record), partition=0)
     raw.flush()
     raw.close()
 
-    service = ClickHouseService(bootstrap, topic_prefix, tmp_path / "chdb", tmp_path / "svc.log")
+    service = ClickHouseService(bootstrap, topic_prefix, path, tmp_path / "svc.log")
     service.start("--batch-ms", "600000")  # rows stay buffered until a rebalance or SIGTERM
     before_intruder = list(ASSIGNED.finditer(service.wait_for_log(lambda log: "receiving records" in log)))
     deadline = time.monotonic() + 120
