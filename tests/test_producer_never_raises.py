@@ -208,3 +208,15 @@ def test_strict_mode_still_raises(make):
     assert producer.log_step(1, loss=1.0, duration_ms=math.nan) is True
     with pytest.raises(ValueError, match="256"):
         make(strict=True, run_id="r" * 257)
+
+
+def test_the_context_manager_ends_a_failed_run_with_the_exception_as_reason(make):
+    producer = make()
+    producer.close = lambda timeout=10.0: True  # keep the fixture's list of what was sent
+    with pytest.raises(RuntimeError):
+        with producer:
+            producer.run_start()
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    start, end = producer.sent
+    assert (end.event, end.status) == ("end", "failed")
+    assert end.reason == "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"

@@ -21,6 +21,7 @@ import functools
 import itertools
 import logging
 import os
+import traceback
 import uuid
 import weakref
 from datetime import datetime, timezone
@@ -242,7 +243,11 @@ class Producer:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if self._run_open:
-            self.run_end("failed" if exc_type else "success")
+            if exc_type is None:
+                self.run_end("success")
+            else:  # the reason: the traceback's last line, "torch.OutOfMemoryError: CUDA out of ..."
+                self.run_end("failed", reason="".join(
+                    traceback.format_exception_only(exc_type, exc)).strip() or exc_type.__name__)
         self.close()
 
 
