@@ -47,3 +47,16 @@ def number(text: str) -> float:
 def integer(text: str) -> int | None:
     value = number(text)
     return int(value) if math.isfinite(value) else None
+
+
+def try_number(text: str) -> float | None:
+    """number(), or None for text that is not a number (a field the parser skips)."""
+    try:
+        return number(text)
+    except ValueError:
+        return None
+
+
+def try_integer(text: str) -> int | None:
+    value = try_number(text)
+    return int(value) if value is not None and math.isfinite(value) else None

@@ -30,6 +30,9 @@ from .base import FormatParser, integer, number
 
 _ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")
 _ITERATION_START = re.compile(r"\biteration\s+\d+\s*/")
+# NeMo 2's progress printer ("Training epoch 0, iteration 28/99 | lr: ... |") has the
+# same "iteration N/M |" shape: not a Megatron line, for detection.
+_NEMO_PRINTER = re.compile(r"^\s*Training epoch \d+, iteration ")
 _TIMERS_ONE_LINE = re.compile(r"^\s*time \(ms\)\s*\|")
 _TIMERS_HEADER = re.compile(r"time across ranks \(ms\):\s*$")
 _TIMER_ROW = re.compile(r"^\s+([\w\-/.: ]+?)\s*\.{2,}\s*:\s*(?:\(\s*([-\d.einfa]+)\s*,\s*([-\d.einfa]+)\s*\)|([-\d.einfa]+))\s*$")
@@ -87,8 +90,8 @@ class MegatronParser(FormatParser):
     @classmethod
     def detect(cls, line: Line) -> bool:
         text = line.text
-        return bool(_ITERATION.search(text) or _ARGS_START.match(text)
-                    or _WORLD_SIZE.search(text) or _MEMORY.search(text))
+        return bool((_ITERATION.search(text) and not _NEMO_PRINTER.match(text))
+                    or _ARGS_START.match(text) or _WORLD_SIZE.search(text) or _MEMORY.search(text))
 
     # -- lines ---------------------------------------------------------------------
 

@@ -1,0 +1,216 @@
+"""Hugging Face Transformers' Trainer (and TRL, ms-swift, ... built on it)::
+
+    ***** Running training *****
+      Total optimization steps = 300
+     20%|██        | 10/50 [00:17<01:06,  1.67s/it]{'loss': 0.6957, 'grad_norm': 1.97, 'learning_rate': 9e-06, 'epoch': 1.0}
+    {'eval_loss': 0.6807, 'eval_runtime': 0.87, 'eval_samples_per_second': 22.9, 'epoch': 1.0}
+    {'train_runtime': 123.4, 'train_samples_per_second': 3.2, 'train_loss': 0.69, 'epoch': 3.0}
+
+The printed dicts are read key by key with a regex, never evaluated: values may be
+``nan``, ``inf``, ``tensor(1.23, device='cuda:0')`` or, from ms-swift, quoted strings.
+A loss dict is a step, an ``eval_*loss`` dict an eval, the ``train_runtime`` summary the
+run's successful end; ms-swift's ``memory(GiB)`` (peak reserved) an allocator record.
+
+The Trainer does not print the step in its dicts. It is, in this order:
+
+1. the dict's own ``step`` (log_history prints), ``global_step`` (PaddleNLP) or
+   ms-swift's ``global_step/max_steps``;
+2. the counter of the training progress bar last drawn (tqdm's ``10/50 [...]``, the bar
+   whose total is the optimization steps, else the longest bar: evaluation bars are
+   shorter). The Trainer logs right after advancing the bar, so the bar shows the step;
+3. without bars (``disable_tqdm``), the count of loss dicts so far times
+   ``logging_steps`` when the log prints the TrainingArguments (the first one is step 1
+   with ``logging_first_step=True``);
+4. else the count of loss dicts: 1, 2, 3, ...
+
+An evaluation dict takes the training bar's counter, else the step of the last loss dict.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from ..lines import Line
+from ..parsed import Parsed
+from .base import FormatParser, try_integer, try_number
+
+_DICT = re.compile(r"\{'[^{}]*(\}|$)")
+_PAIR = re.compile(r"'([^'\\]+)':\s*('(?:[^'\\]|\\.)*'|tensor\([^()]*\)|[^,{}]+)")
+_BAR = re.compile(r"(\d+)/(\d+) \[[^\]]*?(?:it/s|s/it)")
+_DETECT = re.compile(r"\{'(?:loss|eval_loss|train_runtime)': |\*{5} Running training \*{5}")
+_BLOCK = re.compile(r"\b(Num examples|Num Epochs|Instantaneous batch size per device|"
+                    r"Total train batch size|Gradient Accumulation steps|Total optimization steps|"
+                    r"Number of trainable parameters)\b[^=]*=\s*([\d,]+)")
+_LOGGING_STEPS = re.compile(r"\blogging_steps=([\d.]+)")
+_FIRST_STEP = re.compile(r"\blogging_first_step=True\b")
+# eval_loss, and with a metric key prefix: eval_snli_loss, mrpc_en_eval_loss
+_EVAL_LOSS = re.compile(r"(?:^|_)eval(?:_\w+)?_loss$")
+_MAX_WRAPPED_LINES = 8
+GIB = 1024 ** 3
+
+
+def _value(raw: str) -> float | None:
+    raw = raw.strip()
+    if raw[:1] == "'":
+        raw = raw[1:-1]
+    elif raw.startswith("tensor("):
+        raw = raw[len("tensor("):-1].split(",")[0]
+    return try_number(raw)
+
+
+class HfTrainerParser(FormatParser):
+    name = "hf-trainer"
+    description = "Hugging Face Trainer (printed log dicts and tqdm bars; TRL, ms-swift)"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._bars: dict[int, int] = {}   # progress bar total -> its last counter
+        self._total: int | None = None
+        self._logging_steps: float | None = None
+        self._first_step = False
+        self._logged = 0                  # loss dicts so far
+        self._last_step: int | None = None
+        self._wrapped: list[Line] = []    # a dict hard-wrapped over lines, being joined
+
+    @classmethod
+    def detect(cls, line: Line) -> bool:
+        return bool(_DETECT.search(line.text))
+
+    def feed(self, line: Line) -> list[Parsed]:
+        joined = bool(self._wrapped)
+        if joined:
+            self._wrapped.append(line)
+            if "}" not in line.text and len(self._wrapped) < _MAX_WRAPPED_LINES:
+                return []
+            line = self._joined()
+        text = line.text
+        m = _DICT.search(text)
+        self._read_bars(text[:m.start()] if m else text)
+        if m is None:
+            self._read_setup(text)
+            return []
+        if not m.group(1) and not joined:  # no closing brace: the rest is on the next lines
+            self._wrapped = [line]
+            return []
+        values = dict(_PAIR.findall(m.group(0)))
+        out = self._record(values, line)
+        self._read_bars(text[m.end():])
+        return out
+
+    def flush(self) -> list[Parsed]:
+        if not self._wrapped:
+            return []
+        line = self._joined()
+        m = _DICT.search(line.text)
+        return self._record(dict(_PAIR.findall(m.group(0))), line) if m else []
+
+    def _joined(self) -> Line:
+        first = self._wrapped[0]
+        text = "".join(part.text for part in self._wrapped)
+        self._wrapped = []
+        return Line(text, first.rank, first.time)
+
+    # -- context -------------------------------------------------------------------
+
+    def _read_bars(self, text: str) -> None:
+        for n, total in _BAR.findall(text):
+            self._bars[int(total)] = int(n)
+
+    def _read_setup(self, text: str) -> None:
+        if (m := _BLOCK.search(text)) is not None:
+            key = "_".join(m.group(1).lower().split())
+            value = try_integer(m.group(2))
+            if value is not None:
+                self.config[key] = value
+                if key == "total_optimization_steps":
+                    self._total = value
+        if (m := _LOGGING_STEPS.search(text)) is not None:
+            self._logging_steps = try_number(m.group(1))
+        if _FIRST_STEP.search(text):
+            self._first_step = True
+
+    def _bar_step(self) -> int | None:
+        if not self._bars:
+            return None
+        total = self._total if self._total in self._bars else max(self._bars)
+        return self._bars[total]
+
+    def _counted_step(self) -> int:
+        every = self._logging_steps
+        if every is not None and 0 < every < 1 and self._total:
+            every = math.ceil(every * self._total)  # a ratio of the total steps
+        if not every or every < 1:
+            return self._logged
+        if self._first_step:
+            return 1 if self._logged == 1 else int((self._logged - 1) * every)
+        return int(self._logged * every)
+
+    # -- records -------------------------------------------------------------------
+
+    def _record(self, raw: dict[str, str], line: Line) -> list[Parsed]:
+        values = {k: v for k, v in ((k, _value(r)) for k, r in raw.items()) if v is not None}
+        step = _own_step(raw)
+        if (total := _own_total(raw)) is not None:
+            self._total = total
+        if "train_runtime" in raw:
+            return [Parsed("run", {"event": "end", "status": "success"}, line.rank, line.time)]
+        eval_loss = next((k for k in raw if _EVAL_LOSS.search(k)), None)
+        if "loss" not in values and eval_loss is None:
+            return []
+        if step is None:
+            step = self._bar_step()
+        epoch = values.get("epoch")
+        if "loss" in values:
+            self._logged += 1
+            if step is None:
+                step = self._counted_step()
+            self._last_step = step
+            return self._step(step, values, epoch, line)
+        if step is None:
+            step = self._last_step or 0
+        if (loss := values.get(eval_loss)) is None:
+            return []
+        fields: dict[str, Any] = {"step": step, "loss": loss}
+        if epoch is not None:
+            fields["epoch"] = epoch
+        runtime = values.get(eval_loss.removesuffix("loss") + "runtime", values.get("eval_runtime"))
+        if runtime is not None:
+            fields["duration_ms"] = runtime * 1000.0
+        return [Parsed("eval", fields, line.rank, line.time)]
+
+    def _step(self, step: int, values: dict[str, float], epoch: float | None,
+              line: Line) -> list[Parsed]:
+        fields: dict[str, Any] = {"step": step, "loss": values["loss"]}
+        for key, field in (("grad_norm", "norm"), ("learning_rate", "lr")):
+            if key in values:
+                fields[field] = values[key]
+        if epoch is not None:
+            fields["epoch"] = epoch
+        if self._total is not None:
+            fields["total_steps"] = self._total
+        losses = {k: v for k, v in values.items() if k.endswith("loss") and k != "loss"}
+        if losses:
+            fields["losses"] = losses
+        out = [Parsed("step", fields, line.rank, line.time)]
+        memory = values.get("memory(GiB)")  # ms-swift: torch.cuda.max_memory_reserved()
+        if memory is not None and memory >= 0:
+            out.append(Parsed("allocator", {"step": step, "stats": [],
+                                            "peak_reserved": int(memory * GIB)},
+                              line.rank, line.time))
+        return out
+
+
+def _own_step(raw: dict[str, str]) -> int | None:
+    for key in ("step", "global_step"):
+        if key in raw:
+            step = _value(raw[key])
+            return int(step) if step is not None and math.isfinite(step) and step >= 0 else None
+    progress = raw.get("global_step/max_steps", "").strip("'").partition("/")[0]
+    return try_integer(progress) if progress else None
+
+
+def _own_total(raw: dict[str, str]) -> int | None:
+    progress = raw.get("global_step/max_steps", "").strip("'").partition("/")[2]
+    return try_integer(progress) if progress else None
