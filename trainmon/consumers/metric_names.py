@@ -24,14 +24,15 @@ MIB = 1024 ** 2
 # StepRecord fields forwarded as train/<field>; step_tokens, total_steps and num_params
 # are left out as Surogate does (a count per step or a constant, not a curve).
 _STEP_FIELDS = ("loss", "norm", "lr", "tokens_per_second", "epoch", "duration_ms",
-                "loss_scale", "params_norm", "num_zeros", "consumed_samples", "skipped",
+                "loss_scale", "params_norm", "num_zeros", "consumed_samples", "skipped", "nan_iterations",
                 "global_batch_size", "tflops_per_gpu", "sol_percent")
 _EVAL_FIELDS = ("loss", "tokens_per_second", "epoch", "duration_ms", "perplexity")
 _MOE_FIELDS = ("aux_loss", "z_loss", "expert_utilization", "load_imbalance")
 _GPU_FIELDS = ("clock", "max_clock", "power", "power_limit", "temperature", "temp_slowdown",
                "gpu_util", "mem_util", "fan", "energy")
 _GPU_MIB_FIELDS = ("dram_free", "pcie_rx", "pcie_tx")  # bytes -> MiB, bytes/s -> MiB/s
-_TORCH_MEMORY_FIELDS = ("allocated", "peak_allocated", "active", "inactive", "reserved")
+_TORCH_MEMORY_FIELDS = ("allocated", "peak_allocated", "active", "inactive", "reserved",
+                        "peak_reserved")
 
 STEP_KINDS = ("step", "eval", "moe", "gpu", "allocator")
 

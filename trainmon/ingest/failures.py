@@ -40,6 +40,13 @@ _TRACEBACK = re.compile(r"^\s*Traceback \(most recent call last\):")
 # The exception line that ends a traceback: "RuntimeError: ...", "torch.OutOfMemoryError: ...",
 # "KeyboardInterrupt", "subprocess.CalledProcessError: ...".
 _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit|Failure|Timeout)\b:?")
+# One search per line decides whether any pattern above can match: most lines are not
+# endings, and a backfill reads hundreds of thousands of them.
+_ANY = re.compile(r"Traceback|CANCELLED|NODE_FAIL|NCCL|nccl|Killed|exitcode|SIGKILL|Signal 9|"
+                  r"Segmentation fault|SIGSEGV|out of memory|OutOfMemory|Watchdog")
+# PyTorch's c10 log lines carry their level: "[W328 16:19:30.66 ProcessGroupNCCL.cpp:1524]" is
+# a warning (or I an info line), never the end of a run, whatever it mentions.
+_C10_NOT_FATAL = re.compile(r"^\[[WI]\d{3,4} ")
 _CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
 _MAX_TRACEBACK_LINES = 2000
 
@@ -60,8 +67,12 @@ class FailureWatcher:
     def feed(self, text: str) -> Ending | None:
         if self._in_traceback:
             return self._traceback_line(text)
+        if _ANY.search(text) is None:
+            return None
         if _TRACEBACK.match(text):
             self._in_traceback, self._traceback_lines = True, 0
+            return None
+        if _C10_NOT_FATAL.match(text):
             return None
         for pattern, status, label in _ONE_LINE:
             if pattern.search(text):

@@ -18,8 +18,9 @@ _RANK_PREFIX = re.compile(
 # 2024-05-01 12:00:00[,.]123456 with optional brackets, as Megatron-Core, NeMo,
 # torchtitan and Python's logging print it at the start of a line.
 # pdsh's host prefix. Only names shaped like hosts (a hyphen and a digit, or lower-case
-# letters then digits), so "RuntimeError: ..." or "INFO: ..." are never taken for one.
-_HOST_PREFIX = re.compile(r"^([A-Za-z][\w]*(?:[-.]\w+)*-\w*\d[\w.-]*|[a-z]+\d+): ")
+# letters then digits, localhost, an IPv4 address), so "RuntimeError: ..." or "INFO: ..." are never taken for one.
+_HOST_PREFIX = re.compile(
+    r"^([A-Za-z][\w]*(?:[-.]\w+)*-\w*\d[\w.-]*|[a-z]+\d+|localhost|\d{1,3}(?:\.\d{1,3}){3}): ")
 _TIMESTAMP = re.compile(
     r"^\s*(?:\[titan\]\s*)?\[?(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:[.,](\d{1,6}))?\]?\s?")
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
@@ -48,6 +49,10 @@ def split_line(raw: str) -> Line:
             break
         rank = int(next(g for g in m.groups() if g is not None))
         text = text[m.end():]
+        if text[:1] == " ":
+            # The space after "[rank4]:" belongs to the prefix: what follows keeps its own
+            # indentation (a traceback's frames are indented, its exception line is not).
+            text = text[1:]
     when = None
     if text[:1] in "[ " or text[:1].isdigit():
         m = _TIMESTAMP.match(text)

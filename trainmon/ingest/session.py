@@ -86,9 +86,15 @@ class Session:
     def finish(self) -> None:
         """The end of the log (backfill, or the pipe closed)."""
         if self.parser is None:
-            if self._undetected:
+            # No format's line in the whole log: it may still say how the run ended (a
+            # job that crashed before its first step).
+            kept, self._undetected = self._undetected, []
+            self.parser = FormatParser()
+            for line in kept:
+                self._process(line)
+            if kept and not self.sent:
                 raise FormatNotDetected(
-                    f"no known log format in {len(self._undetected):,} lines; choose one with "
+                    f"no known log format in {len(kept):,} lines; choose one with "
                     f"--format ({', '.join(FORMATS)})")
             return
         self.idle()

@@ -134,7 +134,15 @@ class Producer:
                 raise TypeError(problem)
             self._reject(model.kind, problem)
             return False
-        fields = {k: v for k, v in fields.items() if v is not MISSING}
+        missing = [k for k, v in fields.items() if v is MISSING]
+        if missing:
+            # The call's required arguments, even where the schema lets a record go without
+            # them (a log may print no loss; a training loop always has one).
+            problem = f"{', '.join(missing)}: Field required (an argument of this call)"
+            if self.config.strict:
+                raise TypeError(problem)
+            self._reject(model.kind, problem)
+            return False
         try:
             record = model(**self._envelope, time=datetime.now(UTC),
                            event_id=f"{self._id_prefix}-{next(self._ids)}", **fields)

@@ -73,7 +73,7 @@ class ConsoleLine:
 
     def format(self, r: StepRecord) -> str:
         arrow = "-"
-        if self._loss_avg is not None and math.isfinite(r.loss):
+        if self._loss_avg is not None and r.loss is not None and math.isfinite(r.loss):
             if r.loss < self._loss_avg * 0.99:
                 arrow = "\\"
             elif r.loss > self._loss_avg * 1.01:
@@ -89,7 +89,8 @@ class ConsoleLine:
             eta = f" | eta {_eta((r.total_steps - r.step) * self._ms_avg / 1000.0)}"
         norm = "n/a" if r.norm is None else f"{r.norm:.4f}"
         ms = "n/a ms" if r.duration_ms is None else f"{r.duration_ms:.0f} ms"
-        return (f":: step {r.step} {progress}{arrow} loss {r.loss:.4f} |{spike}norm {norm} | "
+        loss = "n/a" if r.loss is None else f"{r.loss:.4f}"
+        return (f":: step {r.step} {progress}{arrow} loss {loss} |{spike}norm {norm} | "
                 f"{_tokens_per_second(r.tokens_per_second)} | {ms}{eta}")
 
     def __call__(self, record: Record) -> None:

@@ -51,7 +51,9 @@ class StepRecord(Record):
     epoch: Optional[NonNegativeOrNonFinite] = None
     step_tokens: Optional[Count] = None
     duration_ms: Optional[NonNegativeOrNonFinite] = None
-    loss: float
+    # Megatron prints no loss for an interval whose iterations were all skipped (fp16
+    # overflow): the step is still logged, with its skipped count.
+    loss: Optional[float] = None
     norm: Optional[float] = None  # global grad L2 norm after clipping
     lr: Optional[float] = None
     tokens_per_second: Optional[float] = None  # derived: step_tokens / duration, when both logged
@@ -63,6 +65,7 @@ class StepRecord(Record):
     num_params: Optional[Count] = None
     consumed_samples: Optional[Count] = None
     skipped: Optional[Count] = None
+    nan_iterations: Optional[Count] = None  # Megatron's "number of nan iterations"
     global_batch_size: Optional[Count] = None
     tflops_per_gpu: Optional[float] = None
     sol_percent: Optional[float] = None
@@ -103,10 +106,11 @@ class MoeRecord(Record):
     kind = "moe"
 
     step: Count
-    aux_loss: float
-    z_loss: float
-    expert_utilization: float = Field(ge=0, le=1)  # fraction of experts that got tokens
-    load_imbalance: float = Field(ge=1)  # max expert load / mean expert load
+    # Logs print some of these and not others (Megatron: the load-balancing loss alone).
+    aux_loss: Optional[float] = None
+    z_loss: Optional[float] = None
+    expert_utilization: Optional[float] = Field(default=None, ge=0, le=1)  # fraction of experts that got tokens
+    load_imbalance: Optional[float] = Field(default=None, ge=1)  # max expert load / mean expert load
     layer_aux_loss: Optional[list[float]] = None
     layer_z_loss: Optional[list[float]] = None
     layer_utilization: Optional[list[float]] = None
@@ -148,13 +152,14 @@ class AllocatorRecord(Record):
     kind = "allocator"
 
     step: Count
-    stats: list[AllocatorSegment]
+    stats: list[AllocatorSegment] = Field(default_factory=list)  # none when read from a log
     # torch.cuda.memory_stats(), when the job runs on torch + CUDA.
     allocated: Optional[Count] = None
     peak_allocated: Optional[Count] = None
     active: Optional[Count] = None
     inactive: Optional[Count] = None
     reserved: Optional[Count] = None
+    peak_reserved: Optional[Count] = None  # Megatron's "max reserved", torchtitan's memory
     alloc_retries: Optional[Count] = None
 
 

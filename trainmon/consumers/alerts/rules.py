@@ -179,7 +179,8 @@ class NonFiniteRule(Rule):
 
     def observe(self, r, t, run, rank):
         # An absent grad norm (not logged) is not a non-finite one: only the loss is judged.
-        loss_ok, norm_ok = math.isfinite(r.loss), r.norm is None or math.isfinite(r.norm)
+        loss_ok = r.loss is None or math.isfinite(r.loss)
+        norm_ok = r.norm is None or math.isfinite(r.norm)
         if loss_ok and norm_ok:
             return self.good(run, rank, step=r.step, t=t)
         what = " and ".join(f"{name} is {value}" for name, value, ok in
@@ -222,7 +223,7 @@ class LossPlateauRule(WindowRule):
 
     def observe(self, r, t, run, rank):
         loss = r.loss
-        if not math.isfinite(loss):
+        if loss is None or not math.isfinite(loss):
             return None
         halves = rank.slot(self)
         halves.push(loss)
@@ -352,7 +353,7 @@ class MoeRule(Rule):
 
     def observe(self, r, t, run, rank):
         value, limit = getattr(r, self.field), self.cfg.threshold
-        if not math.isfinite(value):
+        if value is None or not math.isfinite(value):
             return None
         if (value > limit) if self.above else (value < limit):
             relation = ">" if self.above else "<"

@@ -21,6 +21,7 @@ pasted into an issue) reads the same once joined.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -36,7 +37,8 @@ _NEMO_PRINTER = re.compile(r"^\s*Training epoch \d+, iteration ")
 _TIMERS_ONE_LINE = re.compile(r"^\s*time \(ms\)\s*\|")
 _TIMERS_HEADER = re.compile(r"time across ranks \(ms\):\s*$")
 _TIMER_ROW = re.compile(r"^\s+([\w\-/.: ]+?)\s*\.{2,}\s*:\s*(?:\(\s*([-\d.einfa]+)\s*,\s*([-\d.einfa]+)\s*\)|([-\d.einfa]+))\s*$")
-_MEMORY = re.compile(r"\[Rank (\d+)\]\s*\(after (\d+) iterations\)\s*memory \(MB\)\s*\|(.*)")
+# "[Rank 0] (after 10 iterations) memory (MB) | ..."; older releases: "after 5 iterations memory (MB) | ..."
+_MEMORY = re.compile(r"(?:\[Rank (\d+)\]\s*)?\(?after (\d+) iterations\)?\s*memory \(MB\)\s*\|(.*)")
 _VALIDATION = re.compile(r"\b(?:validation|test) loss at (?:iteration (\d+)|the end of training)[^|]*\|(.*)")
 _ARGS_START = re.compile(r"^-+ arguments -+\s*$")
 _ARGS_END = re.compile(r"^-+ end of arguments -+\s*$")
@@ -47,6 +49,7 @@ _MAX_WRAPPED_LINES = 8
 MIB = 1024 * 1024
 
 
+@functools.lru_cache(maxsize=1024)
 def _key(name: str) -> str:
     return "".join(name.split()).lower()
 
@@ -56,6 +59,7 @@ _STEP_FIELDS: dict[str, tuple[str, Any]] = {
     "consumedsamples": ("consumed_samples", integer),
     "elapsedtimeperiteration(ms)": ("duration_ms", number),
     "elapsedtimeperiteration(s)": ("duration_ms", lambda v: number(v) * 1000.0),
+    "elapsedtimeperiteration": ("duration_ms", number),  # Megatron-Bridge: "21392.5 ms"
     "learningrate": ("lr", number),
     "globalbatchsize": ("global_batch_size", integer),
     "lossscale": ("loss_scale", number),
@@ -74,13 +78,43 @@ _MOE_LOSSES = {"load_balancing_loss": "aux_loss", "aux_loss": "aux_loss",
 _MAIN_LOSSES = ("lmloss", "loss")
 
 
+class _HeldStep:
+    """An iteration line's fields, kept until the lines that complete it have been read."""
+
+    __slots__ = ("line", "fields", "losses", "consumed_tokens")
+
+    def __init__(self, line: Line, fields: dict[str, Any]):
+        self.line = line
+        self.fields = fields
+        self.losses: dict[str, float] = {}
+        self.consumed_tokens: int | None = None
+
+    def add(self, text: str) -> None:
+        """Take the ``name: value |`` pairs of a piece of an iteration line."""
+        for part in text.split("|"):
+            name, sep, value = part.rpartition(":")
+            if not sep or not value.strip():
+                continue
+            key = _key(name)
+            try:
+                if key in _STEP_FIELDS:
+                    field, convert = _STEP_FIELDS[key]
+                    self.fields[field] = convert(_without_unit(value))
+                elif key == "consumedtokens":
+                    self.consumed_tokens = integer(value)
+                elif key.endswith("loss"):
+                    self.losses[name.strip()] = number(value)
+            except ValueError:
+                continue  # a field this parser does not understand: keep the rest
+
+
 class MegatronParser(FormatParser):
     name = "megatron"
     description = "Megatron-LM, Megatron-DeepSpeed, Megatron-Core, Megatron-Bridge"
 
     def __init__(self) -> None:
         super().__init__()
-        self._held: Parsed | None = None       # the last step, until its timers are read
+        self._held: _HeldStep | None = None    # the last step, until its timers are read
         self._wrapped: list[Line] = []         # a hard-wrapped iteration line being joined
         self._in_args = False
         self._in_timers = False
@@ -125,11 +159,19 @@ class MegatronParser(FormatParser):
                 self._wrapped = [line]
                 return out
             return out + self._iteration(line)
+        if self._held is not None and _is_continuation(text):
+            # Megatron-Bridge breaks its iteration log over several lines, one group of
+            # "name: value |" fields each.
+            self._held.add(text)
+            return out
         if _TIMERS_ONE_LINE.match(text):
             for part in text.split("|")[1:]:
                 name, sep, value = part.rpartition(":")
                 if sep and self._held is not None:
-                    self._held.fields.setdefault("timers", {})[name.strip()] = number(value)
+                    try:
+                        self._held.fields.setdefault("timers", {})[name.strip()] = number(value)
+                    except ValueError:
+                        pass
             return out
         if _TIMERS_HEADER.search(text):
             self._in_timers = True
@@ -148,10 +190,7 @@ class MegatronParser(FormatParser):
 
     def flush(self) -> list[Parsed]:
         out = self._iteration(self._joined()) if self._wrapped else []
-        if self._held is not None:
-            out.append(self._held)
-            self._held = None
-        return out
+        return out + self._release()
 
     @staticmethod
     def _starts_something(text: str) -> bool:
@@ -162,37 +201,26 @@ class MegatronParser(FormatParser):
         first = self._wrapped[0]
         text = "".join(part.text for part in self._wrapped)
         self._wrapped = []
-        return Line(text, first.rank, first.time)
+        return Line(text, first.rank, first.time, first.host)
 
     # -- records -------------------------------------------------------------------
 
     def _iteration(self, line: Line) -> list[Parsed]:
-        out = [self._held] if self._held is not None else []
-        self._held = None
+        out = self._release()
         m = _ITERATION.search(line.text)
         if m is None:
             return out
-        step, total = int(m.group(1)), int(m.group(2))
-        fields: dict[str, Any] = {"step": step, "total_steps": total}
-        losses: dict[str, float] = {}
-        consumed_tokens = None
-        for part in line.text[m.end():].split("|"):
-            name, sep, value = part.rpartition(":")
-            if not sep or not value.strip():
-                continue
-            key = _key(name)
-            try:
-                if key in _STEP_FIELDS:
-                    field, convert = _STEP_FIELDS[key]
-                    fields[field] = convert(value)
-                elif key == "consumedtokens":
-                    consumed_tokens = integer(value)
-                elif key.endswith("loss") and key != "loss":
-                    losses[name.strip()] = number(value)
-                elif key == "loss":
-                    losses["loss"] = number(value)
-            except ValueError:
-                continue  # a field this parser does not understand: keep the rest
+        self._held = _HeldStep(line, {"step": int(m.group(1)), "total_steps": int(m.group(2))})
+        self._held.add(line.text[m.end():])
+        return out
+
+    def _release(self) -> list[Parsed]:
+        """The held step as records: the step, and a moe record for router losses."""
+        held, self._held = self._held, None
+        if held is None:
+            return []
+        fields, losses, line = held.fields, dict(held.losses), held.line
+        step = fields["step"]
         main = next((n for n in losses if _key(n) in _MAIN_LOSSES), None)
         if main is None:
             main = next((n for n in losses if n not in _MOE_LOSSES), None)
@@ -200,11 +228,11 @@ class MegatronParser(FormatParser):
             fields["loss"] = losses.pop(main)
         if losses:
             fields["losses"] = losses
-        tokens = self._step_tokens(step, fields.get("global_batch_size"), consumed_tokens)
+        tokens = self._step_tokens(step, fields.get("global_batch_size"), held.consumed_tokens)
         if tokens is not None:
             fields["step_tokens"] = tokens
         self._last_step = step
-        self._held = Parsed("step", fields, line.rank, line.time)
+        out = [Parsed("step", fields, line.rank, line.time)]
         moe = {_MOE_LOSSES[n]: v for n, v in losses.items() if n in _MOE_LOSSES}
         if moe:
             out.append(Parsed("moe", {"step": step, **moe}, line.rank, line.time))
@@ -249,7 +277,8 @@ class MegatronParser(FormatParser):
                            ("reserved", "reserved"), ("maxreserved", "peak_reserved")):
             if key in values:
                 fields[field] = values[key]
-        return Parsed("allocator", fields, int(m.group(1)), line.time)
+        rank = int(m.group(1)) if m.group(1) is not None else line.rank
+        return Parsed("allocator", fields, rank, line.time)
 
     def _validation(self, m: re.Match, line: Line) -> list[Parsed]:
         out = self.flush()
@@ -271,6 +300,27 @@ class MegatronParser(FormatParser):
         if ppl is not None:
             fields["perplexity"] = ppl
         return out + [Parsed("eval", fields, line.rank, line.time)]
+
+
+_CONTINUATION = re.compile(r"^\s*([A-Za-z][\w /()\-]*?)\s*:\s*[-+\d.na]")
+
+
+def _is_continuation(text: str) -> bool:
+    """A line that goes on an iteration line: it starts with a field the line has."""
+    m = _CONTINUATION.match(text)
+    if m is None:
+        return False
+    key = _key(m.group(1))
+    return key in _STEP_FIELDS or key.endswith("loss") or key == "consumedtokens"
+
+
+def _without_unit(value: str) -> str:
+    """ "21392.5 ms" -> "21392.5" (Megatron-Bridge puts the unit after the value)."""
+    value = value.strip()
+    for unit in (" ms",):
+        if value.endswith(unit):
+            return value[: -len(unit)]
+    return value
 
 
 def _arg_value(text: str) -> Any:
