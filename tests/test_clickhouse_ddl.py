@@ -77,7 +77,8 @@ def test_column_types_follow_the_schema():
     def ch(field):
         return field_columns(StepRecord, field).definition
 
-    assert ch("loss") == "`loss` Float64"
+    assert ch("step") == "`step` Int64"
+    assert ch("loss") == "`loss` Nullable(Float64)"
     assert ch("params_norm") == "`params_norm` Nullable(Float64)"
     assert ch("time") == "`time` DateTime64(6, 'UTC')"
     assert ch("run_id") == "`run_id` LowCardinality(String)"

@@ -110,6 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         session.finish()
     except KeyboardInterrupt:
         session.idle()
+    except BrokenPipeError:
+        # "--dry-run x.log | head": whoever read the records has seen enough.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except FormatNotDetected as exc:
         print(f"trainmon ingest: {args.path}: {exc}", file=sys.stderr)
         status = 2

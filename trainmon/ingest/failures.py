@@ -22,15 +22,18 @@ class Ending:
 
 # (pattern, status, label) for one-line endings, most specific first. The label leads
 # the reason so runs group by cause; the line itself follows for the details.
+# A pattern marked "from the match" quotes the line from where it matched: an NCCL error can
+# follow a progress bar or a c10 log prefix on the same line.
 _ONE_LINE = [
     (re.compile(r"CANCELLED AT .* DUE TO TIME LIMIT"), "failed", "Slurm time limit"),
     (re.compile(r"\*\*\* (?:JOB|STEP) \S+ ON \S+ CANCELLED AT"), "aborted", "Slurm job cancelled"),
     (re.compile(r"DUE TO NODE FAILURE|NODE_FAIL"), "failed", "Slurm node failure"),
-    (re.compile(r"Watchdog caught collective operation timeout|"
-                r"ProcessGroupNCCL.*(?:timed out|timeout)|NCCL.*watchdog.*time", re.I),
-     "failed", "NCCL watchdog timeout"),
+    (re.compile(r"Watchdog caught collective operation timeout"), "failed",
+     "NCCL watchdog timeout", True),
+    (re.compile(r"ProcessGroupNCCL.*(?:timed out|timeout)|NCCL.*watchdog.*time", re.I),
+     "failed", "NCCL watchdog timeout", True),
     (re.compile(r"NCCL error|ncclInternalError|ncclUnhandledCudaError|ncclSystemError|"
-                r"ncclRemoteError|ncclInvalidUsage"), "failed", "NCCL error"),
+                r"ncclRemoteError|ncclInvalidUsage"), "failed", "NCCL error", True),
     (re.compile(r"^(?:\S+: line \d+: +\d+ )?Killed\b"), "failed", "Killed (SIGKILL, e.g. the out-of-memory killer)"),
     (re.compile(r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\) received"), "failed", "Killed (SIGKILL)"),
     (re.compile(r"Segmentation fault|SIGSEGV"), "failed", "Segmentation fault"),
@@ -74,9 +77,9 @@ class FailureWatcher:
             return None
         if _C10_NOT_FATAL.match(text):
             return None
-        for pattern, status, label in _ONE_LINE:
-            if pattern.search(text):
-                return Ending(status, _reason(label, text))
+        for pattern, status, label, *from_match in _ONE_LINE:
+            if (m := pattern.search(text)) is not None:
+                return Ending(status, _reason(label, text[m.start():] if from_match else text))
         if _OOM.search(text) and ("Error" in text or "error" in text):
             return Ending("failed", _reason("CUDA out of memory", text))
         return None
@@ -95,7 +98,7 @@ class FailureWatcher:
             return None  # something else interleaved (another rank's output); not the end
         if _OOM.search(stripped):
             return Ending("failed", _reason("CUDA out of memory", stripped))
-        for pattern, status, label in _ONE_LINE:
+        for pattern, status, label, *_ in _ONE_LINE:
             if pattern.search(stripped):
                 return Ending(status, _reason(label, stripped))
         if stripped.startswith("KeyboardInterrupt"):

@@ -135,6 +135,9 @@ class Session:
                 if p.fields.get("event") == "end":
                     self._running.discard(rank)
                     self._ended.add(rank)
+                else:
+                    self._running.add(rank)
+                    self._ended.discard(rank)
                 self._send(p, "end" if p.fields.get("event") == "end" else "start")
                 continue
             if rank not in self._running:

@@ -171,12 +171,14 @@ def data_columns(model: type[Record]) -> list[Column]:
 
 
 def order_by(model: type[Record]) -> str:
-    """Per-run time-series reads: run, rank, then step (or time); event_id last so the
-    ReplacingMergeTree collapses a record the producer sent twice."""
+    """Per-run time-series reads: run, rank, then step; event_id last so the
+    ReplacingMergeTree collapses a record sent twice. The key holds only what a resent
+    record keeps: a record read again from a log by ``trainmon ingest`` has the same id
+    but, where the log prints no timestamps, a new time, so kinds without a step (run,
+    alert, dataset, gpu_model: a few rows per run) are keyed by the id alone."""
     fields = model.model_fields
     step_is_key = "step" in fields and not unwrap_optional(fields["step"].annotation)[1]
-    middle = "step" if step_is_key else "time"
-    return f"(run_id, rank, {middle}, event_id)"
+    return "(run_id, rank, step, event_id)" if step_is_key else "(run_id, rank, event_id)"
 
 
 def create_table_sql(kind: str, database: str) -> str:

@@ -49,6 +49,17 @@ _MAX_WRAPPED_LINES = 8
 MIB = 1024 * 1024
 
 
+def _pairs(text: str):
+    """The ``name: value`` fields of a ``|``-separated line. Releases before 2020 printed
+    ``name value`` without the colon ("lm loss 6.758929E+00 | loss scale 64.0")."""
+    for part in text.split("|"):
+        name, sep, value = part.rpartition(":")
+        if not sep:
+            name, _, value = part.strip().rpartition(" ")
+        if name.strip() and value.strip():
+            yield name, value
+
+
 @functools.lru_cache(maxsize=1024)
 def _key(name: str) -> str:
     return "".join(name.split()).lower()
@@ -91,10 +102,7 @@ class _HeldStep:
 
     def add(self, text: str) -> None:
         """Take the ``name: value |`` pairs of a piece of an iteration line."""
-        for part in text.split("|"):
-            name, sep, value = part.rpartition(":")
-            if not sep or not value.strip():
-                continue
+        for name, value in _pairs(text):
             key = _key(name)
             try:
                 if key in _STEP_FIELDS:
@@ -284,15 +292,14 @@ class MegatronParser(FormatParser):
         out = self.flush()
         step = int(m.group(1)) if m.group(1) else self._last_step
         values = {}
-        for part in m.group(2).split("|"):
-            name, sep, value = part.rpartition(":")
-            if sep:
-                try:
-                    values[name.strip()] = number(value)
-                except ValueError:
-                    pass
+        for name, value in _pairs(m.group(2)):
+            try:
+                values[name.strip()] = number(value)
+            except ValueError:
+                pass
+        # "lm loss value: 2.3 | lm loss PPL: 10.4 |"; before 2020 "LM loss: 4.5 | LM PPL: 90.3"
         loss_name = next((n for n in values if _key(n) == "lmlossvalue"),
-                         next((n for n in values if _key(n).endswith("value")), None))
+                         next((n for n in values if _key(n).endswith(("value", "loss"))), None))
         if loss_name is None:
             return out
         fields: dict[str, Any] = {"step": step, "loss": values[loss_name]}
