@@ -5,9 +5,14 @@ from __future__ import annotations
 from datetime import datetime
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 SCHEMA_VERSION = 1
+# A record's time must fall in these years. ClickHouse partitions every table by month of
+# ``time``: a clock at 1970 or 9999 (an unset RTC, a unit mix-up) would scatter a rank's
+# records over hundreds of partitions and, in one insert, over ClickHouse's per-insert
+# partition limit; DateTime64 itself ends in 2299.
+MIN_YEAR, MAX_YEAR = 2000, 2200
 
 
 class Record(BaseModel):
@@ -28,3 +33,11 @@ class Record(BaseModel):
     # replay) carries the same id and consumers can drop the duplicate.
     event_id: str = Field(min_length=1, max_length=128)
     schema_version: Literal[1] = SCHEMA_VERSION
+
+    @field_validator("time")
+    @classmethod
+    def _plausible_time(cls, value: datetime) -> datetime:
+        if not MIN_YEAR <= value.year <= MAX_YEAR:
+            raise ValueError(f"time {value.isoformat()} is outside the years {MIN_YEAR}-{MAX_YEAR} "
+                             "(is this host's clock set?)")
+        return value

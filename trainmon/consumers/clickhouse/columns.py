@@ -38,12 +38,14 @@ def to_columns(kind: str, records: Sequence[Record]) -> tuple[list[str], list[li
 
 def insert_batch(client, kind: str, records: Sequence[Record], *, database: str = DEFAULT_DATABASE,
                  kafka: tuple[str, int, Sequence[int]] | None = None,
-                 dedup_token: str | None = None, table: str | None = None) -> None:
+                 dedup_token: str | None = None, table: str | None = None,
+                 settings: dict | None = None) -> None:
     """Insert records of one kind as one column batch.
 
     ``kafka`` = (topic, partition, offsets) fills the bookkeeping columns. ``dedup_token``
     makes a retry of the identical batch a no-op (MergeTree insert deduplication).
-    ``table`` overrides the kind's own table (``database.kind``).
+    ``table`` overrides the kind's own table (``database.kind``); ``settings`` are added
+    to the insert's query settings.
     """
     if not records:
         return
@@ -52,9 +54,11 @@ def insert_batch(client, kind: str, records: Sequence[Record], *, database: str 
     topic, partition, offsets = kafka if kafka else ("", -1, [-1] * n)
     names += KAFKA_COLUMNS
     values += [[topic] * n, [partition] * n, list(offsets)]
-    settings = {"insert_deduplication_token": dedup_token} if dedup_token else None
+    settings = dict(settings or {})
+    if dedup_token:
+        settings["insert_deduplication_token"] = dedup_token
     client.insert(table or f"{database}.{kind}", values, column_names=names, column_oriented=True,
-                  settings=settings)
+                  settings=settings or None)
 
 
 def insert_records(client, records: Iterable[Record], database: str = DEFAULT_DATABASE) -> int:

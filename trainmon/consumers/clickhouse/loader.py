@@ -13,8 +13,11 @@ and ``trainmon replay``.
 - On revocation, buffered rows of the revoked partitions are written before the hand-over
   (inserts and revocations take one lock, so no batch of a partition lands after it was
   handed over); the next owner starts from ``max(_offset) + 1``.
-- A record ClickHouse cannot take (e.g. an int beyond Int64) is dead-lettered alone; the
-  rest of its batch still goes in as one insert, so no batch is ever half written.
+- A record ClickHouse cannot take (e.g. one a CHECK constraint refuses) is dead-lettered
+  alone; the rest of its batch still goes in as one insert, so no batch is ever half
+  written. Errors a retry can fix (connection, timeouts, memory, overload) are retried
+  and dead-letter nothing; a batch spanning more months than one insert may hold is
+  inserted in consecutive runs (see :mod:`.refusals`).
 
 A Kafka message packs several records (``schemas.pack``); they share its offset, are
 polled together and so always land in the same batch.
@@ -34,13 +37,13 @@ from typing import Callable
 
 from kafka import TopicPartition
 from kafka.errors import KafkaError
-from clickhouse_connect.driver.exceptions import DataError, Error as ClickHouseError
 
 from ..stream import Message, RecordStream
 from .batches import PartitionBuffers
 from .columns import insert_batch
 from .ddl import create_probe_table
 from .offsets import stored_positions
+from .refusals import blames_rows, month_runs, months_in, partition_limit, refusal
 
 log = logging.getLogger("trainmon.clickhouse")
 
@@ -101,7 +104,9 @@ class Loader:
                     # No dead-lettering here: a Kafka send from kafka-python's IO thread
                     # can stall the rebalance itself (it waits on that same thread).
                     self._insert_partition(tp, messages, attempts=3, dead_letter=False)
-                except ClickHouseError as exc:
+                except Exception as exc:
+                    if not refusal(exc):
+                        raise
                     # Not written: read them again should the partition come back to us.
                     self._rewind[tp] = messages[0].offset
                     log.warning("revoked %s[%d] with %d rows not written (%s)", tp.topic,
@@ -136,34 +141,69 @@ class Loader:
         return self._inserted_since_commit or self.dead_letters > self._dead_letters_committed
 
     def _insert_partition(self, tp: TopicPartition, messages: list[Message],
-                          attempts: int | None = None, dead_letter: bool = True) -> None:
-        token = f"{tp.topic}-{tp.partition}-{messages[0].offset}-{messages[-1].offset}"
+                          attempts: int | None = None, dead_letter: bool = True,
+                          token: str | None = None) -> None:
+        """Insert one partition's batch; see :mod:`.refusals` for what each error leads to.
+        ``attempts`` bounds the retries of errors a retry can fix (unbounded while running,
+        3 once stopping); ``dead_letter=False`` (on kafka-python's IO thread) raises instead
+        of looking for culprits."""
+        token = token or f"{tp.topic}-{tp.partition}-{messages[0].offset}-{messages[-1].offset}"
         attempt = 0
+        settings = None
+        check, checked = False, False
+        lettered: set[int] = set()  # a check cut short by the server going away resumes
         while True:
             try:
-                self._insert(tp, messages, token)
-                break
-            except DataError as exc:
-                if not dead_letter or token.endswith("-checked"):
+                if check:
+                    messages = self._without_culprits(messages, lettered)
+                    token += "-checked"
+                    check, checked = False, True
+                    if not messages:
+                        return
+                self._insert(tp, messages, token, settings)
+                return
+            except Exception as exc:
+                if not refusal(exc):
                     raise
-                log.warning("batch %s rejected (%s); checking its records one by one", token, exc)
-                messages = self._without_culprits(messages)
-                token += "-checked"
-                if not messages:
-                    break
-            except ClickHouseError as exc:
+                limit = partition_limit(exc)
+                if limit is not None and settings is None:
+                    runs = month_runs(messages, limit)
+                    if len(runs) > 1:
+                        log.info("batch %s spans more than %d months: inserting it in %d runs",
+                                 token, limit, len(runs))
+                        for i, run in enumerate(runs):
+                            self._insert_partition(tp, run, attempts, dead_letter, f"{token}-m{i}")
+                        return
+                    # One Kafka message alone spans the months: it goes in as one insert
+                    # allowed its own month count (see month_runs for why not split it).
+                    settings = {"max_partitions_per_insert_block": months_in(messages)}
+                    continue
+                if blames_rows(exc) and not checked:
+                    if not dead_letter:
+                        raise
+                    log.warning("batch %s refused (%s); checking its records one by one",
+                                token, _first_line(exc))
+                    check = True
+                    continue
                 attempt += 1
                 self.insert_retries += 1
                 if attempt >= (attempts or (3 if self.stop.is_set() else 1 << 30)):
                     raise
                 delay = min(30.0, 0.2 * 2 ** attempt)
-                log.warning("insert %s failed (attempt %d), retrying in %.1fs: %s",
-                            token, attempt, delay, exc)
-                time.sleep(delay)
+                if checked and blames_rows(exc):
+                    # Each row passes alone, the batch does not: not something to dead-letter.
+                    log.error("insert %s refused although each of its rows passes alone "
+                              "(attempt %d), retrying in %.1fs: %s", token, attempt, delay,
+                              _first_line(exc))
+                else:
+                    log.warning("insert %s failed (attempt %d), retrying in %.1fs: %s",
+                                token, attempt, delay, _first_line(exc))
+                self.stop.wait(delay)
 
-    def _insert(self, tp: TopicPartition, messages: list[Message], token: str) -> None:
+    def _insert(self, tp: TopicPartition, messages: list[Message], token: str,
+                settings: dict | None = None) -> None:
         insert_batch(self.client, messages[0].kind, [m.record for m in messages],
-                     database=self.database, dedup_token=token,
+                     database=self.database, dedup_token=token, settings=settings,
                      kafka=(tp.topic, tp.partition, [m.offset for m in messages]))
         self.rows_inserted += len(messages)
         self.inserts += 1
@@ -171,18 +211,26 @@ class Loader:
         if _CRASH_AFTER_INSERTS and self.inserts >= _CRASH_AFTER_INSERTS:
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def _without_culprits(self, messages: list[Message]) -> list[Message]:
+    def _without_culprits(self, messages: list[Message], lettered: set[int]) -> list[Message]:
         """Dead-letter the records ClickHouse cannot take; return the others. Each is
-        tried alone against a Null-engine twin of its table, which stores nothing."""
+        tried alone against a Null-engine twin of its table, which stores nothing. An
+        error that does not blame the row (the server went away meanwhile) is raised: the
+        batch is then retried, and checked again later, skipping the records already
+        dead-lettered (``lettered``: their ids)."""
         probe = create_probe_table(self.client, messages[0].kind, self.database)
         good = []
         for m in messages:
+            if id(m) in lettered:
+                continue
             try:
                 insert_batch(self.client, m.kind, [m.record], table=probe)
                 good.append(m)
-            except DataError as exc:
+            except Exception as exc:
+                if not blames_rows(exc) or partition_limit(exc) is not None:
+                    raise
                 self.stream.dead_letter(m, f"ClickHouse cannot store this {m.kind} record: "
-                                           f"{str(exc).splitlines()[0]}")
+                                           f"{_first_line(exc)}")
+                lettered.add(id(m))
         return good
 
     # -- the loop -------------------------------------------------------------------
@@ -230,3 +278,8 @@ def caught_up_with(consumer, topic_names: list[str]) -> Callable[[Loader], bool]
         return all(consumer.position(tp) >= end for tp, end in ends.items())
 
     return caught_up
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
