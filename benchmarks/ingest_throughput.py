@@ -111,7 +111,9 @@ def poll(consumer, arrived: dict, timeout_ms: int) -> None:
         now = time.time()
         for message in batch:
             for data in unpack(message.value):
-                arrived.setdefault(decode("step", data).step, now)
+                record = decode("step", data)
+                if record.run_id == "live":
+                    arrived.setdefault(record.step, now)
 
 
 def main() -> int:

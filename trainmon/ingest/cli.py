@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from ..schemas import Record, encode
@@ -69,6 +70,27 @@ class _DryRun:
         self._stream.write(b'{"log":"%s",%s\n' % (record.kind.encode(), encode(record)[1:]))
 
 
+class _Paced:
+    """Sends through the producer, waiting while its sender thread is far behind. A
+    backfill reads a log faster than Kafka takes it; the producer would then keep the
+    surplus in its spill file (written, read back, sent), which is there for a training
+    loop that must never wait. Reading a log can wait."""
+
+    HIGH = 20_000
+    CHECK_EVERY = 1_000
+
+    def __init__(self, producer):
+        self._producer = producer
+        self._sent = 0
+
+    def __call__(self, record: Record) -> None:
+        self._producer.send_record(record)
+        self._sent += 1
+        if self._sent % self.CHECK_EVERY == 0:
+            while self._producer.queued > self.HIGH:
+                time.sleep(0.005)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=os.environ.get("TRAINMON_LOG_LEVEL", "WARNING").upper(),
@@ -84,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         from ..producer import Producer, ProducerConfig
         producer = Producer(ProducerConfig.from_env(run_id=run_id))
-        sink = producer.send_record
+        sink = _Paced(producer)
     session = Session(run_id, sink, fmt=args.format, host=args.host, world_size=args.world_size)
 
     stop = threading.Event()

@@ -233,6 +233,12 @@ class Producer:
     # -- lifecycle -----------------------------------------------------------------
 
     @property
+    def queued(self) -> int:
+        """Records logged and not yet taken by the sender thread (for callers that may
+        wait, like ``trainmon ingest``; a training loop never needs to)."""
+        return self._worker.queued
+
+    @property
     def spilled(self) -> int:
         return self._worker.spilled
 

@@ -83,6 +83,11 @@ class Worker:
         return self._spill.count
 
     @property
+    def queued(self) -> int:
+        """Records handed to submit and not yet taken by the worker thread."""
+        return len(self._items)
+
+    @property
     def spill_path(self):
         return self._spill.path
 

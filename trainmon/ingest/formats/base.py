@@ -41,7 +41,10 @@ class FormatParser:
 
 def number(text: str) -> float:
     """A float as logs print it: '1.5E-05', 'nan', '-inf', '1,234.5'."""
-    return float(text.replace(",", ""))
+    try:
+        return float(text)  # surrounding spaces are fine; the common case, so tried first
+    except ValueError:
+        return float(text.replace(",", ""))
 
 
 def integer(text: str) -> int | None:

@@ -107,7 +107,9 @@ class _HeldStep:
             try:
                 if key in _STEP_FIELDS:
                     field, convert = _STEP_FIELDS[key]
-                    self.fields[field] = convert(_without_unit(value))
+                    if value.endswith("s"):
+                        value = _without_unit(value)
+                    self.fields[field] = convert(value)
                 elif key == "consumedtokens":
                     self.consumed_tokens = integer(value)
                 elif key.endswith("loss"):
@@ -162,16 +164,11 @@ class MegatronParser(FormatParser):
                 self._timer(m)
                 return out
             self._in_timers = False
-        if _ITERATION_START.search(text):
+        if "iteration" in text and _ITERATION_START.search(text):
             if not text.rstrip().endswith("|"):
                 self._wrapped = [line]
                 return out
             return out + self._iteration(line)
-        if self._held is not None and _is_continuation(text):
-            # Megatron-Bridge breaks its iteration log over several lines, one group of
-            # "name: value |" fields each.
-            self._held.add(text)
-            return out
         if _TIMERS_ONE_LINE.match(text):
             for part in text.split("|")[1:]:
                 name, sep, value = part.rpartition(":")
@@ -180,6 +177,11 @@ class MegatronParser(FormatParser):
                         self._held.fields.setdefault("timers", {})[name.strip()] = number(value)
                     except ValueError:
                         pass
+            return out
+        if self._held is not None and _is_continuation(text):
+            # Megatron-Bridge breaks its iteration log over several lines, one group of
+            # "name: value |" fields each.
+            self._held.add(text)
             return out
         if _TIMERS_HEADER.search(text):
             self._in_timers = True
@@ -202,7 +204,7 @@ class MegatronParser(FormatParser):
 
     @staticmethod
     def _starts_something(text: str) -> bool:
-        return bool(_ITERATION_START.search(text) or _TIMERS_ONE_LINE.match(text)
+        return bool(("iteration" in text and _ITERATION_START.search(text)) or _TIMERS_ONE_LINE.match(text)
                     or _MEMORY.search(text) or _VALIDATION.search(text))
 
     def _joined(self) -> Line:
