@@ -107,7 +107,7 @@ class _HeldStep:
             try:
                 if key in _STEP_FIELDS:
                     field, convert = _STEP_FIELDS[key]
-                    if value.endswith("s"):
+                    if value.rstrip().endswith("s"):
                         value = _without_unit(value)
                     self.fields[field] = convert(value)
                 elif key == "consumedtokens":
