@@ -58,9 +58,7 @@ class ClickHouseService:
 
     def start(self, *args: str, **env) -> "ClickHouseService":
         cmd = [sys.executable, "-m", "trainmon", "consume", "clickhouse", "--path", str(self.path),
-               "--topic-prefix", self.prefix, "--group", f"{self.prefix}clickhouse",
-               # Static membership: a restart after kill -9 need not wait out the session.
-               "--instance-id", f"{self.prefix}one", *args]
+               "--topic-prefix", self.prefix, "--group", f"{self.prefix}clickhouse", *args]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(cmd, env=trainmon_env(self.bootstrap, **{**self.env, **env}),
                                          stdout=log, stderr=subprocess.STDOUT)

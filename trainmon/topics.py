@@ -30,3 +30,17 @@ def all_topics(topic_prefix: str | None = None) -> list[str]:
 def record_key(run_id: str, rank: int) -> bytes:
     # One key per (run, rank): Kafka keeps a key's records in order on one partition.
     return f"{run_id}/{rank}".encode()
+
+
+def uncovered(existing, topic_prefix: str | None = None) -> list[str]:
+    """Existing topics that look like trainmon's but that no trainmon consumer reads: a
+    name starting with ``trainmon`` or with the prefix's first segment (``team`` of
+    ``team.trainmon.``), other than a record kind's topic or the dead-letter topic under
+    the prefix. E.g. ``trainmon.stpe`` written by a producer with a misspelt kind or
+    prefix: its records would otherwise sit there unnoticed."""
+    p = prefix() if topic_prefix is None else topic_prefix
+    stems = {"trainmon", p.split(".")[0]} - {""}
+    covered = set(all_topics(p))
+    return sorted(t for t in existing
+                  if t not in covered and not t.startswith("__")
+                  and any(t.startswith(stem) for stem in stems))

@@ -23,9 +23,11 @@ from kafka.structs import OffsetAndMetadata
 
 from .. import kafka_config, topics
 from ..schemas import MAX_RECORDS_PER_MESSAGE, RECORD_TYPES, DecodeError, Record, decode, unpack
+from . import membership
 from .watchdog import KafkaCallWatchdog
 
 log = logging.getLogger("trainmon.consumers")
+_REPORTED_PREFIXES: set[str] = set()
 
 
 @dataclass(slots=True)
@@ -56,11 +58,23 @@ class RecordStream:
         self.kinds = list(kinds or RECORD_TYPES)
         self.dead_letters = 0
         self._settings = kafka_config.client_settings(env)
+        # Static membership by default (see .membership): a restarted service gets its
+        # partitions back at once. An explicit group_instance_id (None: dynamic) wins.
+        if "group_instance_id" in consumer_settings:
+            self._instance = membership.InstanceId(consumer_settings.pop("group_instance_id"))
+        else:
+            self._instance = membership.claim(group_id, env)
+        self.instance_id = self._instance.value
         # fetch_max_bytes is the hard bound on one poll: 8 MiB is ~30k records of ~300 bytes.
         settings = dict(self._settings, group_id=group_id, enable_auto_commit=False,
                         auto_offset_reset="earliest", max_poll_records=self.MAX_RECORDS,
-                        fetch_max_bytes=8 * 1024 * 1024, **consumer_settings)
-        self.consumer = KafkaConsumer(**settings)
+                        fetch_max_bytes=8 * 1024 * 1024, group_instance_id=self.instance_id,
+                        **consumer_settings)
+        try:
+            self.consumer = KafkaConsumer(**settings)
+        except BaseException:
+            self._instance.release()
+            raise
         self._watchdog = KafkaCallWatchdog.from_env(env, name=group_id)
         self._dlq: KafkaProducer | None = None
         # Start from the most a message can pack: a first poll too small, never too big.
@@ -71,6 +85,28 @@ class RecordStream:
             self.consumer.subscribe(topic_names, listener=listener)
         else:
             self.consumer.subscribe(topic_names)
+        log.info("trainmon: %s joins as %s", group_id,
+                 f"static member {self.instance_id}" if self.instance_id else "a dynamic member")
+        self._report_uncovered_topics()
+
+    def _report_uncovered_topics(self) -> None:
+        """Say at start which trainmon-looking topics no consumer reads (once per process
+        and prefix): records on a misspelt topic are otherwise never seen."""
+        if self.prefix in _REPORTED_PREFIXES:
+            return
+        _REPORTED_PREFIXES.add(self.prefix)
+        try:
+            with self._watchdog.watch("topics"):
+                existing = self.consumer.topics()
+        except Exception as exc:  # a start-up nicety: never a reason not to start
+            log.debug("trainmon: could not list topics: %s", exc)
+            return
+        stray = topics.uncovered(existing, self.prefix)
+        if stray:
+            shown = ", ".join(stray[:20]) + (f" (+{len(stray) - 20} more)" if len(stray) > 20 else "")
+            log.warning("trainmon: %d topic(s) look like trainmon's but no trainmon consumer reads "
+                        "them (misspelt kind or prefix? this consumer reads %s<kind>): %s",
+                        len(stray), self.prefix, shown)
 
     def poll(self, timeout_ms: int = 500, max_records: int | None = None) -> list[Message]:
         """Records polled within ``timeout_ms``: about ``max_records`` at most (whole Kafka
@@ -143,11 +179,14 @@ class RecordStream:
             self.consumer.commit()
 
     def close(self) -> None:
-        if self._dlq is not None:
-            self._dlq.close(5)
-        with self._watchdog.watch("close"):
-            self.consumer.close(autocommit=False)
-        self._watchdog.close()
+        try:
+            if self._dlq is not None:
+                self._dlq.close(5)
+            with self._watchdog.watch("close"):
+                self.consumer.close(autocommit=False)
+            self._watchdog.close()
+        finally:
+            self._instance.release()  # only now may another process take this instance id
 
 
 class _Rebalance(ConsumerRebalanceListener):

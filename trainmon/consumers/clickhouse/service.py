@@ -87,9 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     add_batch_arguments(parser)
     parser.add_argument("--group", default=DEFAULT_GROUP, help=f"consumer group (default {DEFAULT_GROUP})")
     parser.add_argument("--instance-id", default=os.environ.get("TRAINMON_CLICKHOUSE_INSTANCE_ID"),
-                        help="static group membership id, unique per process: a restarted "
-                             "process gets its partitions back at once instead of after the "
-                             "45 s session timeout (default: $TRAINMON_CLICKHOUSE_INSTANCE_ID)")
+                        help="static group membership id, used as given (unique per process): a "
+                             "restarted process gets its partitions back at once instead of after "
+                             "the 45 s session timeout (default: $TRAINMON_CLICKHOUSE_INSTANCE_ID, "
+                             "else $TRAINMON_KAFKA_GROUP_INSTANCE_ID or <group>-<hostname>, with "
+                             "-2, -3 ... for more processes of the group on this host)")
     parser.add_argument("--no-sql-endpoint", action="store_true",
                         help="do not answer SQL for other processes")
     args = parser.parse_args(argv)
@@ -113,9 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                             max_wait_s=args.batch_ms / 1000, stop=stop,
                             consumer_settings={"group_instance_id": args.instance_id}
                             if args.instance_id else None)
-            log.info("consuming %s* from %s into %s as group %s",
+            log.info("consuming %s* from %s into %s as group %s (instance %s)",
                      loader.stream.prefix, kafka_config.bootstrap_servers(),
-                     target.describe(), args.group)
+                     target.describe(), args.group, loader.stream.instance_id or "dynamic")
             loader.run()
     finally:
         client.close()
