@@ -65,3 +65,26 @@ def test_instance_ids_are_stable_per_host_and_distinct_per_process(tmp_path):
     assert named.value == "svc_a_1"
     named.release()
     assert membership.claim("g", {membership.ENV: "off"}, lock_dir=tmp_path).value is None
+
+
+def test_two_consumers_of_one_group_on_one_host_share_the_partitions(kafka_broker, bootstrap, topic_prefix):
+    """Both default to the same <group>-<hostname>; the second takes <id>-2, so the broker
+    fences neither and each gets a share of the partitions."""
+    from trainmon.consumers.stream import RecordStream
+
+    kafka_broker.create_topics([topics.topic_for("step", topic_prefix)])
+    env = {"TRAINMON_KAFKA_BOOTSTRAP": bootstrap}
+    group = f"{topic_prefix}pair"
+    first = RecordStream(group, ["step"], topic_prefix=topic_prefix, env=env)
+    second = RecordStream(group, ["step"], topic_prefix=topic_prefix, env=env)
+    try:
+        assert second.instance_id == f"{first.instance_id}-2"
+        deadline = time.monotonic() + 60
+        while not (first.consumer.assignment() and second.consumer.assignment()):
+            assert time.monotonic() < deadline, (first.consumer.assignment(), second.consumer.assignment())
+            first.poll(timeout_ms=100)
+            second.poll(timeout_ms=100)
+        assert not first.consumer.assignment() & second.consumer.assignment()
+    finally:
+        first.close()
+        second.close()
