@@ -10,6 +10,7 @@ from __future__ import annotations
 from .base import FormatParser
 from .hf_trainer import HfTrainerParser
 from .megatron import MegatronParser
+from .modded_nanogpt import ModdedNanoGptParser
 from .nanogpt import NanoGptParser
 from .nemo import NemoParser
 from .surogate import SurogateParser
@@ -18,7 +19,7 @@ from .torchtitan import TorchTitanParser
 FORMATS: dict[str, type[FormatParser]] = {
     parser.name: parser
     for parser in (MegatronParser, NemoParser, TorchTitanParser, NanoGptParser, HfTrainerParser,
-                   SurogateParser)
+                   SurogateParser, ModdedNanoGptParser)
 }
 # Other names people know these formats by.
 ALIASES = {"megatron-lm": "megatron", "megatron-core": "megatron", "megatron-bridge": "megatron",
