@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] in DELEGATED:
         # Straight through: argparse's REMAINDER drops leading options ("sql --path P ...").
-        return _call(*DELEGATED[argv[0]], argv[1:], streaming=argv[0] == "replay")
+        return _call(*DELEGATED[argv[0]], argv[1:], streaming=argv[0] in ("replay", "ingest"))
     args = build_parser().parse_args(argv)
     return args.func(args)
 

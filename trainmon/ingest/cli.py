@@ -40,8 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-id", help="default: $TRAINMON_RUN_ID, else the file name")
     p.add_argument("--host", help="host name in the records (default: this machine's)")
     p.add_argument("--world-size", type=int, help="default: as the log prints it")
-    p.add_argument("--idle", type=float, default=0.2, metavar="SECONDS",
-                   help="while following, send held records after this long without a new line")
+    p.add_argument("--idle", type=float, default=0.1, metavar="SECONDS",
+                   help="while following, send held records after this long without a new "
+                        "line (a step waits for its timer lines, printed right after it)")
     return p
 
 

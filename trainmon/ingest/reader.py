@@ -7,6 +7,7 @@ live job is between two log lines.
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import threading
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 CHUNK = 1 << 16
+log = logging.getLogger("trainmon.ingest")
 
 
 def _decode(data: bytes) -> str:
@@ -44,7 +46,7 @@ class _Lines:
         return [_decode(rest).rstrip("\r")] if rest else []
 
 
-def follow(path: Path, *, idle_s: float = 0.2, poll_s: float = 0.05,
+def follow(path: Path, *, idle_s: float = 0.1, poll_s: float = 0.02,
            stop: threading.Event | None = None) -> Iterator[str | None]:
     """A growing file, like ``tail -F``: from its start, then whatever is appended; a
     file truncated in place is read again from its start, and a file renamed away
@@ -68,6 +70,7 @@ def follow(path: Path, *, idle_s: float = 0.2, poll_s: float = 0.05,
                 quiet_since, idle_sent = time.monotonic(), False
                 continue
             if _replaced(path, f):
+                log.info("trainmon ingest: %s was replaced (rotated); reading the new file", path)
                 yield from lines.drain()  # the old file's last line, unterminated
                 f.close()
                 f = None
@@ -97,7 +100,7 @@ def _replaced(path: Path, f: BinaryIO) -> bool:
 
 
 def pipe(source: BinaryIO, passthrough: BinaryIO | None, *,
-         idle_s: float = 0.2) -> Iterator[str | None]:
+         idle_s: float = 0.1) -> Iterator[str | None]:
     """A pipe (``train.py | trainmon ingest -``): every byte is written on to
     ``passthrough`` as it arrives and unchanged, like ``tee``, before it is parsed."""
     fd = source.fileno()
