@@ -4,8 +4,9 @@
 
 1. backfill: a large Megatron log (iteration and timer lines shaped like a corpus log,
    renumbered) read by ``trainmon ingest FILE`` into a real broker. Figures: lines per
-   second of wall time, and per second of the command's own CPU time (one core's worth:
-   parsing, records, encoding and Kafka, all threads). For reference, the parser alone
+   second of wall time, per second of the command's own CPU time (all threads: parsing,
+   records, encoding, Kafka), and of wall time with the command pinned to one core
+   (taskset), which is the target's "on one core". For reference, the parser alone
    (``--dry-run`` into /dev/null) in the same session.
 2. follow: ``trainmon ingest --follow`` on a file a writer appends one step (an iteration
    line and its timer line) to every 50 ms; latency is from the line's write to the
@@ -22,6 +23,7 @@ import argparse
 import os
 import re
 import resource
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -62,11 +64,14 @@ def trainmon(*args: str, env: dict, **kw) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "trainmon", "ingest", *args], env=env, **kw)
 
 
-def timed(*args: str, env: dict) -> tuple[float, float]:
-    """(wall s, CPU s of the command) for one ``trainmon ingest`` run."""
+def timed(*args: str, env: dict, pin: bool = False) -> tuple[float, float]:
+    """(wall s, CPU s of the command) for one ``trainmon ingest`` run; ``pin`` runs it on
+    one core (taskset), where its threads share that core as they would on a busy node."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = trainmon(*args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    prefix = ["taskset", "-c", str(sorted(os.sched_getaffinity(0))[-1])] if pin else []
+    proc = subprocess.Popen([*prefix, sys.executable, "-m", "trainmon", "ingest", *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, err = proc.communicate(timeout=1800)
     wall = time.perf_counter() - start
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -147,6 +152,8 @@ def main() -> int:
                    TRAINMON_SPILL_DIR=str(tmp / "spill"))
         parse_wall, parse_cpu = timed("--dry-run", str(log), env=env)
         wall, cpu = timed(str(log), "--run-id", "backfill", env=env)
+        pinned_wall, _ = timed(str(log), "--run-id", "backfill-pinned", env=env,
+                               pin=shutil.which("taskset") is not None)
         # Its own topics: the consumer must not first read the backfill's records.
         follow_env = dict(env, TRAINMON_TOPIC_PREFIX=f"f{uuid.uuid4().hex[:8]}.")
         latencies = follow_latency(bootstrap, follow_env, tmp, args.follow_steps)
@@ -156,11 +163,14 @@ def main() -> int:
           f"{lines / parse_cpu:10,.0f} lines/s per CPU second")
     print(f"  into Kafka              {lines / wall:10,.0f} lines/s wall  "
           f"{lines / cpu:10,.0f} lines/s per CPU second  ({wall:.1f} s, {cpu:.1f} CPU s)")
+    print(f"  into Kafka, one core    {lines / pinned_wall:10,.0f} lines/s wall  "
+          f"(taskset to one core: its parsing, sender and Kafka client threads share it)")
     p50, p99 = percentile(latencies, 50) * 1000, percentile(latencies, 99) * 1000
     print(f"\nfollow: {len(latencies)} of {args.follow_steps} steps read back from Kafka; "
           f"line written -> record on Kafka p50 {p50:.0f} ms, p99 {p99:.0f} ms, "
           f"max {max(latencies, default=float('nan')) * 1000:.0f} ms")
-    targets = [("backfill into Kafka >= 50,000 lines/s on one core", lines / cpu >= 50_000),
+    targets = [("backfill into Kafka >= 50,000 lines/s on one core",
+                lines / pinned_wall >= 50_000),
                ("follow p99 <= 500 ms", p99 <= 500 and len(latencies) == args.follow_steps)]
     print("\ntargets")
     for name, met in targets:

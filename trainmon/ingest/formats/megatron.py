@@ -21,7 +21,6 @@ pasted into an issue) reads the same once joined.
 
 from __future__ import annotations
 
-import functools
 import re
 from typing import Any
 
@@ -49,20 +48,30 @@ _MAX_WRAPPED_LINES = 8
 MIB = 1024 * 1024
 
 
-def _pairs(text: str):
+def _pairs(text: str) -> list[tuple[str, str]]:
     """The ``name: value`` fields of a ``|``-separated line. Releases before 2020 printed
     ``name value`` without the colon ("lm loss 6.758929E+00 | loss scale 64.0")."""
+    pairs = []
     for part in text.split("|"):
         name, sep, value = part.rpartition(":")
         if not sep:
             name, _, value = part.strip().rpartition(" ")
-        if name.strip() and value.strip():
-            yield name, value
+        if value and not value.isspace() and name and not name.isspace():
+            pairs.append((name, value))
+    return pairs
 
 
-@functools.lru_cache(maxsize=1024)
+_KEYS: dict[str, str] = {}
+
+
 def _key(name: str) -> str:
-    return "".join(name.split()).lower()
+    """A field name without spaces, lower case: the same however the line was wrapped."""
+    key = _KEYS.get(name)
+    if key is None:
+        key = "".join(name.split()).lower()
+        if len(_KEYS) < 4096:  # names repeat on every line; a bound for odd logs
+            _KEYS[name] = key
+    return key
 
 
 # iteration-line field (spaces removed, lower case) -> (StepRecord field, converter)
@@ -102,14 +111,15 @@ class _HeldStep:
 
     def add(self, text: str) -> None:
         """Take the ``name: value |`` pairs of a piece of an iteration line."""
+        fields = self.fields
         for name, value in _pairs(text):
             key = _key(name)
             try:
-                if key in _STEP_FIELDS:
-                    field, convert = _STEP_FIELDS[key]
+                known = _STEP_FIELDS.get(key)
+                if known is not None:
                     if value.rstrip().endswith("s"):
                         value = _without_unit(value)
-                    self.fields[field] = convert(value)
+                    fields[known[0]] = known[1](value)
                 elif key == "consumedtokens":
                     self.consumed_tokens = integer(value)
                 elif key.endswith("loss"):
