@@ -239,6 +239,11 @@ class Producer:
         return self._worker.queued
 
     @property
+    def dropped(self) -> int:
+        """Records lost because neither Kafka nor the spill directory could take them."""
+        return self._worker.dropped
+
+    @property
     def spilled(self) -> int:
         return self._worker.spilled
 

@@ -56,7 +56,15 @@ class SpillFile:
             return
         data = _dump(entries).encode()
         with self._lock:
-            os.write(self._open(), data)
+            fd = self._open()
+            start = os.lseek(fd, 0, os.SEEK_END)
+            try:
+                view = memoryview(data)
+                while view:  # a full disk can take part of a write: all of it, or none
+                    view = view[os.write(fd, view):]
+            except OSError:
+                os.ftruncate(fd, start)
+                raise
             self.count += sum(count(value) for _, _, value in entries)
 
     def take(self) -> list[Entry]:

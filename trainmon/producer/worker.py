@@ -61,6 +61,7 @@ class Worker:
         self._on_reject = on_reject or (lambda record, reason: log.error(
             "trainmon: dropped a %s record: %s", record.kind, reason))
         self.sent = 0
+        self.dropped = 0  # records that could be kept neither in Kafka nor in the spill file
         self._reset()
         self_ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: (w := self_ref()) and w._reset())
@@ -73,7 +74,8 @@ class Worker:
         self._start_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._spill = SpillFile(self._spill_dir, self._spill_name)
-        self._transport = self._make_transport(self._spill.append)
+        self._transport = self._make_transport(self._keep)
+        self._drop_reported = False
         self._retry_at = 0.0
         self._backoff = 0.5
         self._closed = False
@@ -98,7 +100,7 @@ class Worker:
             # The worker is far behind: keep memory bounded and the record safe on disk.
             entry = self._entry(topic, key, record)
             if entry is not None:
-                self._spill.append([entry])
+                self._keep([entry])
             return
         self._items.append((topic, key, record))
         # The worker drains on its own every few ms; waking it per record would make it
@@ -136,13 +138,22 @@ class Worker:
             log.warning("trainmon: %d records could not reach Kafka; they are kept in %s and "
                         "sent by the next trainmon producer that starts", self._spill.count,
                         self._spill.path)
-        self._spill.close()
-        return ok
+        if self.dropped:
+            log.error("trainmon: %d records were dropped: Kafka did not take them and the "
+                      "spill directory %s could not keep them", self.dropped, self._spill_dir)
+        try:
+            self._spill.close()
+        except OSError:
+            pass
+        return ok and not self.dropped
 
     # -- worker thread -------------------------------------------------------------
 
     def _run(self) -> None:
-        self._spill.append(claim_orphans(self._spill_dir, own=self._spill.path))
+        try:
+            self._keep(claim_orphans(self._spill_dir, own=self._spill.path))
+        except OSError as exc:  # an unreadable spill directory: nothing of earlier runs to send
+            log.warning("trainmon: cannot read the spill directory %s: %s", self._spill_dir, exc)
         while True:
             try:
                 if self._tick():
@@ -216,14 +227,14 @@ class Worker:
     def _deliver(self, entries: list[Entry]) -> None:
         messages = pack_messages(entries)
         if time.monotonic() < self._retry_at:
-            self._spill.append(messages)
+            self._keep(messages)
             return
-        pending = self._spill.take() + messages
+        pending = self._taken() + messages
         for i, entry in enumerate(pending):
             try:
                 self._transport.send(entry)
             except TransportUnavailable as exc:
-                self._spill.append(pending[i:])
+                self._keep(pending[i:])
                 if self._backoff == 0.5:
                     log.info("trainmon: Kafka unreachable (%s); spilling to %s until it returns",
                              exc, self._spill.path)
@@ -232,6 +243,29 @@ class Worker:
                 return
             self.sent += count(entry[2])
         self._backoff = 0.5
+
+    def _keep(self, entries: list[Entry]) -> None:
+        """Into the spill file; where it cannot be written (a full disk, a directory that
+        is a file or read-only) the records are dropped and counted, and said once: never
+        an error for the training loop, and memory stays bounded."""
+        try:
+            self._spill.append(entries)
+        except OSError as exc:
+            lost = sum(count(value) for _, _, value in entries)
+            self.dropped += lost
+            if not self._drop_reported:
+                self._drop_reported = True
+                log.error("trainmon: cannot keep records in the spill directory %s (%s): records "
+                          "Kafka does not take are dropped and counted (this is said once; the "
+                          "count is in the message at exit and in producer.dropped)",
+                          self._spill_dir, exc)
+
+    def _taken(self) -> list[Entry]:
+        try:
+            return self._spill.take()
+        except OSError as exc:
+            log.error("trainmon: cannot read back the spill file %s: %s", self._spill.path, exc)
+            return []
 
     def _finish_flush(self, marker: _Flush) -> None:
         # Records spilled because Kafka was slow or away go out first; keep at it until
