@@ -162,13 +162,23 @@ def kafka_settings(bootstrap: str, extra: dict, *, linger_ms: int, batch_size: i
         "batch_size": batch_size,
         "compression_type": compression,
         "acks": "all",
-        "enable_idempotence": True,
+        # Not idempotent: kafka-python's idempotent producer stops sending (and expiring)
+        # while it has no producer id, which after a broker outage longer than the delivery
+        # timeout it never gets back: records stayed in memory for good. A resend can now
+        # duplicate a record in Kafka; every consumer keeps one row per event id. One
+        # request in flight per connection keeps each rank's records in order.
+        "enable_idempotence": False,
+        "max_in_flight_requests_per_connection": 1,
         # Short blocking bounds: the worker decides what to do when Kafka is away,
         # rather than sitting inside kafka-python for a minute.
         "max_block_ms": 2000,
         "bootstrap_timeout_ms": 2000,
-        "request_timeout_ms": 10000,
-        "delivery_timeout_ms": 120000,
+        # Kafka that acknowledges nothing for a few seconds is treated as away: the
+        # batches expire and their errbacks put them in the spill file, so a rank killed
+        # during an outage keeps what it logged (with the default 120 s they sat in
+        # kafka-python's memory, and were lost with the process).
+        "request_timeout_ms": 4000,
+        "delivery_timeout_ms": 5000,
         "reconnect_backoff_max_ms": 1000,
         **extra,
     }

@@ -74,7 +74,7 @@ class Worker:
         self._start_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._spill = SpillFile(self._spill_dir, self._spill_name)
-        self._transport = self._make_transport(self._keep)
+        self._transport = self._make_transport(self._undelivered)
         self._drop_reported = False
         self._retry_at = 0.0
         self._backoff = 0.5
@@ -243,6 +243,15 @@ class Worker:
                 return
             self.sent += count(entry[2])
         self._backoff = 0.5
+
+    def _undelivered(self, entries: list[Entry]) -> None:
+        """Kafka gave up on these (no acknowledgement within the delivery timeout: the
+        broker is away): on disk, and no new sends until the backoff has passed, so the
+        spill file is not handed straight back to a client that cannot deliver it.
+        Runs on the Kafka client's thread."""
+        self._keep(entries)
+        self._retry_at = max(self._retry_at, time.monotonic() + self._backoff)
+        self._backoff = min(self._backoff * 2, 5.0)
 
     def _keep(self, entries: list[Entry]) -> None:
         """Into the spill file; where it cannot be written (a full disk, a directory that
