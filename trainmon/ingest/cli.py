@@ -1,4 +1,4 @@
-"""``trainmon ingest``: a training job's console log into trainmon records.
+"""trainmon ingest: a training job's console log into trainmon records.
 
     trainmon ingest train.log                      # backfill a finished log
     trainmon ingest --follow /path/slurm-1234.out  # follow a running job's log
@@ -35,8 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="print the records as JSON lines instead of sending them "
                         "(to stderr when reading standard input)")
-    p.add_argument("--format", default="auto",
-                   choices=["auto", *FORMATS, *ALIASES], help="the log format (default: detected)")
+    p.add_argument("--format", default="auto", choices=["auto", *FORMATS, *ALIASES], metavar="NAME",
+                   help=f"the log format: auto (the default: detected), {', '.join(FORMATS)}")
     p.add_argument("--run-id", help="default: $TRAINMON_RUN_ID, else the file name")
     p.add_argument("--host", help="host name in the records (default: this machine's)")
     p.add_argument("--world-size", type=int, help="default: as the log prints it")
