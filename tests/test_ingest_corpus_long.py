@@ -5,45 +5,25 @@ modded-nanogpt runs of 1,480-1,555 steps; sources in PROVENANCE.md) read by a Se
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
-import yaml
 
 from trainmon.ingest.formats import FORMATS
 from trainmon.ingest.formats.modded_nanogpt import ModdedNanoGptParser
 from trainmon.ingest.formats.nanogpt import NanoGptParser
 from trainmon.ingest.lines import split_line
-from trainmon.ingest.session import Session
 
-LOGS = Path(__file__).parent / "data" / "logs"
-LABELS = yaml.safe_load((LOGS / "LABELS.yaml").read_text())
+from .ingest_support import LABELS, LOGS, by_step, ingest, raw_lines
+
 VALUEEMBED = "modded-nanogpt-valueembed-record-train-loss-healthy.log"
 BIAS = "modded-nanogpt-bias-experiment-h100-pcie-healthy.log"
 BASELINE = "modded-nanogpt-baseline-2026-batch-schedule-healthy.log"
 LONG = [VALUEEMBED, BIAS, BASELINE]
 
 
-def lines(name: str) -> list[str]:
-    return (LOGS / name).read_bytes().decode("utf-8").split("\n")
-
-
-def ingest(raw_lines) -> tuple[Session, list]:
-    out: list = []
-    session = Session("r", out.append)
-    for raw in raw_lines:
-        session.feed(raw)
-    session.finish()
-    return session, out
-
-
-def by_step(records, kind: str) -> dict:
-    return {r.step: r for r in records if r.kind == kind}
-
-
 @pytest.fixture(scope="module")
 def ingested() -> dict:
-    return {name: ingest(lines(name)) for name in LONG}
+    return {name: ingest(raw_lines(name)) for name in LONG}
 
 
 @pytest.mark.parametrize("name", LONG)
@@ -114,7 +94,7 @@ def test_baseline_2026_batch_size_schedule(ingested):
 
 @pytest.mark.parametrize("name", LONG)
 def test_no_other_format_claims_a_line_of_the_long_logs(name):
-    for raw in lines(name):
+    for raw in raw_lines(name):
         line = split_line(raw)
         claimed = [f for f, p in FORMATS.items() if f != "modded-nanogpt" and p.detect(line)]
         assert not claimed, f"{claimed} claim {raw!r}"
@@ -158,7 +138,7 @@ def test_validation_in_seconds_and_steps_printed_every_other_step():
     assert [(r.step, r.loss) for r in records if r.kind == "eval"] == [(125, 4.54643),
                                                                       (3148, 3.27888)]
     # A script printing every k-th step: each step of the gap gets its share.
-    kept = [raw for raw in lines(BASELINE) if not raw.startswith("step:") or "val_loss" in raw
+    kept = [raw for raw in raw_lines(BASELINE) if not raw.startswith("step:") or "val_loss" in raw
             or int(raw.split("/")[0][5:]) % 2 == 0]
     _, records = ingest(kept)
     steps = by_step(records, "step")

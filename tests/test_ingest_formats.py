@@ -9,12 +9,9 @@ import io
 import json
 import math
 from datetime import datetime, timezone
-from pathlib import Path
 
 import pytest
-import yaml
 
-from trainmon.ingest import Session
 from trainmon.ingest.cli import _DryRun
 from trainmon.ingest.formats import FORMATS, by_name
 from trainmon.ingest.formats.nemo import NemoParser
@@ -23,37 +20,12 @@ from trainmon.ingest.lines import split_line
 from trainmon.producer.surogate import JsonLogFile
 from trainmon.schemas import AllocatorRecord
 
-LOGS = Path(__file__).parent / "data" / "logs"
-NOW = datetime(2026, 1, 1, tzinfo=timezone.utc)
+from .ingest_support import LABELS, LOGS, by_step, ingest, of_kind, raw_lines
+
 GIB = 1024 ** 3
 # The allocator's peak_reserved field is being added to the schema; until then the
 # records that carry it are refused by the session, and only the parser is checked.
 PEAK_RESERVED = "peak_reserved" in AllocatorRecord.model_fields
-
-
-def raw_lines(name: str) -> list[str]:
-    """A corpus log's lines (``name`` may hold wildcards, for one file), as
-    reader.read_file gives them: split on "\\n" only, carriage returns left to the session
-    (progress bars)."""
-    (path,) = LOGS.glob(name)
-    return path.read_bytes().decode("utf-8", errors="replace").split("\n")
-
-
-def ingest(lines, fmt: str = "auto") -> tuple[Session, list]:
-    records: list = []
-    session = Session("test-run", records.append, fmt=fmt, host="test-host", clock=lambda: NOW)
-    for line in lines:
-        session.feed(line)
-    session.finish()
-    return session, records
-
-
-def by_step(records, kind: str) -> dict:
-    return {r.step: r for r in records if r.kind == kind}
-
-
-def of_kind(records, kind: str) -> list:
-    return [r for r in records if r.kind == kind]
 
 
 def parsed(parser, text: str) -> list:
@@ -61,8 +33,6 @@ def parsed(parser, text: str) -> list:
 
 
 # -- detection -------------------------------------------------------------------------
-
-LABELS = yaml.safe_load((LOGS / "LABELS.yaml").read_text()) if (LOGS / "LABELS.yaml").exists() else {}
 
 
 def expected_format(name: str) -> str:

@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         if producer is not None:
             if not producer.close(timeout=30):
                 print("trainmon ingest: not every record reached Kafka; the rest is in the "
-                      f"spill directory and goes with the next producer", file=sys.stderr)
+                      "spill directory and goes with the next producer", file=sys.stderr)
                 status = status or 1
         if args.dry_run and not from_stdin:
             sys.stdout.flush()
