@@ -22,6 +22,16 @@ ALLOCATOR = dict(stats=[{"name": "weights", "device": 2**30, "managed": 0, "pinn
                  allocated=4 * 2**30, peak_allocated=6 * 2**30, active=4 * 2**30, inactive=2**20,
                  reserved=8 * 2**30, alloc_retries=0)
 DATASET = dict(files=16, tokens=10**9, file_index=3, chunk_index=7, seed=42)
+GPU_HEALTH = dict(id=0, ecc_volatile_corrected=3, ecc_volatile_uncorrected=0,
+                  ecc_aggregate_corrected=17, ecc_aggregate_uncorrected=1,
+                  remapped_rows_correctable=2, remapped_rows_uncorrectable=0,
+                  remapped_rows_pending=False, remapped_rows_failed=False, xids=[79, 48],
+                  pcie_replays=5, nvlink_crc_flit_errors=12, nvlink_replay_errors=0)
+CHECKPOINT = dict(path="/ckpt/iter_0000007", bytes=14 * 2**30, duration_ms=INF,
+                  free_bytes=2 * 2**40, total_bytes=8 * 2**40)
+DISK = dict(path="/ckpt", free_bytes=2 * 2**40, total_bytes=8 * 2**40, used_bytes=6 * 2**40)
+LOG_EVENT = dict(count=3, signature="NCCL WARN socketProgress: Connection closed by remote peer",
+                 first_step=5, last_step=7)
 GPU_MODEL = dict(name="NVIDIA H100 80GB HBM3", sm_count=132, major=9, minor=0, memory=80 * 2**30,
                  free=79 * 2**30, l2_size=50 * 2**20, uuid="GPU-1234", ecc=True,
                  cuda_driver=12040, cuda_runtime="12.4")
@@ -38,4 +48,9 @@ def log_one_of_each(producer, step: int = 1) -> None:
     producer.log_moe_stats(step, **MOE)
     producer.log_gpu_state(step, **GPU)
     producer.log_allocator(step, **ALLOCATOR)
+    producer.log_gpu_health(step, **GPU_HEALTH)
+    producer.log_checkpoint(step, **CHECKPOINT)
+    producer.log_disk(step, **DISK)
+    producer.log_event("warning", "nccl", "NCCL WARN socketProgress: Connection closed by "
+                       "remote peer node-2<59840>", **LOG_EVENT)
     producer.run_end("success")

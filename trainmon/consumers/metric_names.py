@@ -3,7 +3,10 @@
 One mapping shared by the W&B, Aim and TensorBoard forwarders, so the three dashboards
 show the same series: train/loss, train/norm, train/lr, train/tokens_per_second,
 eval/loss, train/aux_loss, gpu/clock, gpu/power, ... with dram_free in MiB and
-pcie_rx / pcie_tx in MiB/s, and allocator/{segment}_mib per allocator segment.
+pcie_rx / pcie_tx in MiB/s, and allocator/{segment}_mib per allocator segment. GPU health
+counters go under gpu/ too (gpu/ecc_volatile_uncorrected, gpu/xid_count, ...; a flag as
+0 / 1), a finished checkpoint save as checkpoint/duration_ms and checkpoint/size_mib,
+checkpoint free space as disk/free_mib, disk/used_mib, disk/total_mib.
 
 Two spellings of a name, because the backends differ in how they tell series apart:
 - ``flat_name`` (W&B, TensorBoard): everything in the name. Rank 0 gets the plain
@@ -17,7 +20,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..schemas import (AllocatorRecord, EvalRecord, GpuRecord, MoeRecord, Record, StepRecord)
+from ..schemas import (AllocatorRecord, CheckpointRecord, DiskRecord, EvalRecord, GpuHealthRecord,
+                       GpuRecord, MoeRecord, Record, StepRecord)
 
 MIB = 1024 ** 2
 
@@ -33,8 +37,19 @@ _GPU_FIELDS = ("clock", "max_clock", "power", "power_limit", "temperature", "tem
 _GPU_MIB_FIELDS = ("dram_free", "pcie_rx", "pcie_tx")  # bytes -> MiB, bytes/s -> MiB/s
 _TORCH_MEMORY_FIELDS = ("allocated", "peak_allocated", "active", "inactive", "reserved",
                         "peak_reserved")
+# GpuHealthRecord fields forwarded as gpu/<field> (counts; the flags as 0 / 1). The list
+# of XID codes is not a curve: xid_count is.
+_GPU_HEALTH_FIELDS = ("ecc_volatile_corrected", "ecc_volatile_uncorrected",
+                      "ecc_aggregate_corrected", "ecc_aggregate_uncorrected",
+                      "remapped_rows_correctable", "remapped_rows_uncorrectable",
+                      "remapped_rows_pending", "remapped_rows_failed",
+                      "retired_pages_single_bit", "retired_pages_double_bit",
+                      "retired_pages_pending", "xid_count", "pcie_replays",
+                      "nvlink_crc_flit_errors", "nvlink_crc_data_errors", "nvlink_replay_errors",
+                      "nvlink_recovery_errors")
+_DISK_MIB_FIELDS = ("free_bytes", "used_bytes", "total_bytes")  # -> disk/free_mib, ...
 
-STEP_KINDS = ("step", "eval", "moe", "gpu", "allocator")
+STEP_KINDS = ("step", "eval", "moe", "gpu", "allocator", "gpu_health", "checkpoint", "disk")
 
 
 @dataclass(frozen=True)
@@ -74,6 +89,19 @@ def scalars(record: Record) -> list[Scalar]:
                if (v := getattr(record, f)) is not None and not (f == "fan" and v == 0)]
         out += [Scalar(f"gpu/{f}", getattr(record, f) / MIB, gpu=record.id) for f in _GPU_MIB_FIELDS]
         return out
+    if isinstance(record, GpuHealthRecord):
+        return [Scalar(f"gpu/{f}", float(v), gpu=record.id) for f in _GPU_HEALTH_FIELDS
+                if (v := getattr(record, f)) is not None]
+    if isinstance(record, CheckpointRecord):
+        if record.event != "saved":
+            return []
+        out = _fields(record, ("duration_ms",), "checkpoint/")
+        if record.bytes is not None:
+            out.append(Scalar("checkpoint/size_mib", record.bytes / MIB))
+        return out  # free space: the disk records' series
+    if isinstance(record, DiskRecord):
+        return [Scalar(f"disk/{f.removesuffix('_bytes')}_mib", getattr(record, f) / MIB)
+                for f in _DISK_MIB_FIELDS]
     if isinstance(record, AllocatorRecord):
         out = [Scalar(f"allocator/{segment.name}_mib", segment.device / MIB)
                for segment in record.stats]
@@ -95,8 +123,10 @@ def stream_key(record: Record) -> str:
     """The ordered stream a record belongs to within its run: records of one
     (rank, kind[, GPU id]) share a Kafka partition and arrive in the order sent."""
     key = f"{record.rank}/{record.kind}"
-    if isinstance(record, GpuRecord):
+    if isinstance(record, (GpuRecord, GpuHealthRecord)):
         key += f"/{record.id}"
+    elif isinstance(record, CheckpointRecord):
+        key += f"/{record.event}"  # a save's "started" and "saved" share a step
     return key
 
 

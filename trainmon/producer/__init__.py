@@ -49,6 +49,25 @@ def log_gpu_state(*args: Any, **fields: Any) -> bool:
     return get_producer().log_gpu_state(*args, **fields)
 
 
+def log_gpu_health(*args: Any, **fields: Any) -> bool:
+    return get_producer().log_gpu_health(*args, **fields)
+
+
+def log_checkpoint(*args: Any, **fields: Any) -> bool:
+    """``log_checkpoint(step, path=, bytes=, duration_ms=, free_bytes=, total_bytes=)``: a
+    finished save. With TRAINMON_CHECKPOINT_DIR set, free space is sampled too."""
+    return get_producer().log_checkpoint(*args, **fields)
+
+
+def log_disk(*args: Any, **fields: Any) -> bool:
+    return get_producer().log_disk(*args, **fields)
+
+
+def log_event(*args: Any, **fields: Any) -> bool:
+    """``log_event(level, source, text, count=1)``: a warning or error worth keeping."""
+    return get_producer().log_event(*args, **fields)
+
+
 def log_allocator(*args: Any, **fields: Any) -> bool:
     return get_producer().log_allocator(*args, **fields)
 
@@ -76,5 +95,5 @@ def flush(timeout: float = 10.0) -> bool:
 
 
 __all__ = ["Producer", "ProducerConfig", "get_producer", "log_step", "log_eval", "log_moe_stats",
-           "log_gpu_state", "log_allocator", "log_dataset", "log_gpu_model", "run_start",
-           "run_end", "flush"]
+           "log_gpu_state", "log_gpu_health", "log_checkpoint", "log_disk", "log_event",
+           "log_allocator", "log_dataset", "log_gpu_model", "run_start", "run_end", "flush"]

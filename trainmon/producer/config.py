@@ -17,6 +17,13 @@ def _flag(value: str | None) -> bool:
     return (value or "").strip().lower() in {"1", "true", "yes", "on"}
 
 
+def _seconds(value: str | None, default: float) -> float:
+    try:
+        return float(value) if value else default
+    except ValueError:
+        return default
+
+
 def default_run_id(env) -> str:
     """All ranks of one torchrun job share a run id without any coordination."""
     for var in ("TRAINMON_RUN_ID", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"):
@@ -59,6 +66,9 @@ class ProducerConfig:
     linger_ms: int = 20
     batch_size: int = 256 * 1024
     compression: str | None = field(default_factory=lambda: default_compression())
+    # Free space of this directory's filesystem, as disk records (see producer/disk.py).
+    checkpoint_dir: str | None = None
+    disk_interval_s: float = 60.0
 
     @classmethod
     def from_env(cls, env=None, **overrides) -> "ProducerConfig":
@@ -78,6 +88,8 @@ class ProducerConfig:
             log_file=env.get("TRAINMON_LOG_FILE") or None,
             console=_flag(env.get("TRAINMON_CONSOLE")),
             compression=env.get("TRAINMON_KAFKA_COMPRESSION", default_compression()) or None,
+            checkpoint_dir=env.get("TRAINMON_CHECKPOINT_DIR") or None,
+            disk_interval_s=_seconds(env.get("TRAINMON_DISK_INTERVAL_S"), 60.0),
         )
         if spill_dir:
             cfg.spill_dir = Path(spill_dir)

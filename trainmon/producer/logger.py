@@ -30,9 +30,11 @@ from typing import Any
 from pydantic import ValidationError
 
 from .. import topics
-from ..schemas import (AllocatorRecord, DatasetRecord, EvalRecord, GpuModelRecord, GpuRecord,
-                       MoeRecord, Record, RunRecord, StepRecord)
+from ..schemas import (AllocatorRecord, CheckpointRecord, DatasetRecord, DiskRecord, EvalRecord,
+                       GpuHealthRecord, GpuModelRecord, GpuRecord, LogEventRecord, MoeRecord,
+                       Record, RunRecord, StepRecord)
 from .config import ProducerConfig
+from .disk import DiskSampler
 from .surogate import ConsoleLine, JsonLogFile
 from .transport import KafkaTransport, kafka_settings
 from .worker import Worker
@@ -47,6 +49,7 @@ logging.getLogger("kafka").setLevel(os.environ.get("TRAINMON_KAFKA_LOG_LEVEL", "
 # The envelope's fields are filled in by the producer; passed to a log call they are refused.
 ENVELOPE_FIELDS = frozenset(Record.model_fields)
 MAX_REASON_CHARS = 4096  # a run end's reason beyond this is cut (a traceback line can be huge)
+MAX_EVENT_TEXT_CHARS = 2000  # a log event's text beyond this is cut (LogEventRecord.text)
 
 
 class _Missing:
@@ -111,6 +114,14 @@ class Producer:
         self_ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: (p := self_ref()) and p._new_id_prefix())
         atexit.register(_close_at_exit, self_ref)
+        self._last_step = 0  # the latest step logged, for the disk records
+        self._disk: DiskSampler | None = None
+        if (cfg.checkpoint_dir and cfg.disk_interval_s > 0 and cfg.local_rank == 0
+                and cfg.enabled and self.disabled_reason is None):
+            self._disk = DiskSampler(
+                lambda fields: (p := self_ref()) is not None and p._emit(DiskRecord, fields),
+                cfg.checkpoint_dir, cfg.disk_interval_s,
+                step=lambda: getattr(self_ref(), "_last_step", 0)).start()
 
     def _new_id_prefix(self) -> None:
         # Ids are prefix + counter: unique across processes (a forked child gets its own
@@ -180,9 +191,12 @@ class Producer:
                  step_tokens: int | None = None, duration_ms: float | None = None,
                  loss: float = MISSING, norm: float | None = None, lr: float | None = None,
                  **megatron: Any) -> bool:
-        return self._emit(StepRecord, dict(step=step, epoch=epoch, step_tokens=step_tokens,
-                                           duration_ms=duration_ms, loss=loss, norm=norm, lr=lr,
-                                           **megatron))
+        ok = self._emit(StepRecord, dict(step=step, epoch=epoch, step_tokens=step_tokens,
+                                         duration_ms=duration_ms, loss=loss, norm=norm, lr=lr,
+                                         **megatron))
+        if ok:
+            self._last_step = step
+        return ok
 
     @_never_raises("eval")
     def log_eval(self, step: int = MISSING, *, epoch: float | None = None,
@@ -202,6 +216,46 @@ class Producer:
     @_never_raises("gpu")
     def log_gpu_state(self, step: int = MISSING, **fields: Any) -> bool:
         return self._emit(GpuRecord, dict(step=step, **fields))
+
+    @_never_raises("gpu_health")
+    def log_gpu_health(self, step: int = MISSING, **fields: Any) -> bool:
+        """GPU error counters (see GpuHealthRecord; GpuSampler sends them from NVML)."""
+        return self._emit(GpuHealthRecord, dict(step=step, **fields))
+
+    @_never_raises("checkpoint")
+    def log_checkpoint(self, step: int = MISSING, *, path: str | None = None,
+                       bytes: int | None = None, duration_ms: float | None = None,
+                       **fields: Any) -> bool:
+        """A finished checkpoint save: ``log_checkpoint(step, path=, bytes=, duration_ms=)``,
+        optionally ``free_bytes=`` / ``total_bytes=`` of its filesystem. With
+        TRAINMON_CHECKPOINT_DIR set, a disk record follows from the disk thread."""
+        ok = self._emit(CheckpointRecord, dict(step=step, path=path, bytes=bytes,
+                                               duration_ms=duration_ms, **fields))
+        if ok and self._disk is not None:
+            self._disk.nudge(step)
+        return ok
+
+    @_never_raises("disk")
+    def log_disk(self, step: int | None = None, *, path: str = MISSING, free_bytes: int = MISSING,
+                 total_bytes: int = MISSING, used_bytes: int = MISSING) -> bool:
+        """Free space of a filesystem (the disk thread sends these by itself); ``step``
+        defaults to the latest step logged."""
+        return self._emit(DiskRecord, dict(step=self._last_step if step is None else step,
+                                           path=path, free_bytes=free_bytes,
+                                           total_bytes=total_bytes, used_bytes=used_bytes))
+
+    @_never_raises("log_event")
+    def log_event(self, level: str = MISSING, source: str = MISSING, text: str = MISSING, *,
+                  count: int = 1, signature: str | None = None, **fields: Any) -> bool:
+        """A warning or error worth keeping (``level`` "warning" / "error", ``source``
+        "nccl", "cuda", "python", ...); ``text`` is cut to MAX_EVENT_TEXT_CHARS and is the
+        signature when none is given."""
+        if isinstance(text, str) and len(text) > MAX_EVENT_TEXT_CHARS:
+            text = text[:MAX_EVENT_TEXT_CHARS - 3] + "..."
+        if signature is None and isinstance(text, str):
+            signature = text[:500]
+        return self._emit(LogEventRecord, dict(level=level, source=source, text=text,
+                                               count=count, signature=signature, **fields))
 
     @_never_raises("allocator")
     def log_allocator(self, step: int = MISSING, stats: list[dict] = MISSING, **torch_stats: Any) -> bool:
@@ -251,6 +305,9 @@ class Producer:
         return self._worker.flush(timeout)
 
     def close(self, timeout: float = 10.0) -> bool:
+        if self._disk is not None:
+            self._disk.stop()
+            self._disk = None
         ok = self._worker.close(timeout)
         if self._log_file:
             self._log_file.close()

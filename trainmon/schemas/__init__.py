@@ -19,10 +19,14 @@ from .records import (
     AlertRecord,
     AllocatorRecord,
     AllocatorSegment,
+    CheckpointRecord,
     DatasetRecord,
+    DiskRecord,
     EvalRecord,
+    GpuHealthRecord,
     GpuModelRecord,
     GpuRecord,
+    LogEventRecord,
     MoeRecord,
     RunRecord,
     StepRecord,
@@ -31,7 +35,8 @@ from .records import (
 RECORD_TYPES: dict[str, type[Record]] = {
     model.kind: model
     for model in (StepRecord, EvalRecord, MoeRecord, GpuRecord, AllocatorRecord,
-                  DatasetRecord, GpuModelRecord, RunRecord, AlertRecord)
+                  DatasetRecord, GpuModelRecord, RunRecord, AlertRecord, GpuHealthRecord,
+                  CheckpointRecord, DiskRecord, LogEventRecord)
 }
 
 
@@ -120,5 +125,6 @@ __all__ = [
     "MAX_MESSAGE_BYTES", "MAX_RECORDS_PER_MESSAGE", "RECORD_TYPES", "SCHEMA_VERSION", "DecodeError",
     "Record", "count", "decode", "encode", "json_schemas", "pack", "unpack",
     "StepRecord", "EvalRecord", "MoeRecord", "GpuRecord", "AllocatorRecord", "AllocatorSegment",
-    "DatasetRecord", "GpuModelRecord", "RunRecord", "AlertRecord",
+    "DatasetRecord", "GpuModelRecord", "RunRecord", "AlertRecord", "GpuHealthRecord",
+    "CheckpointRecord", "DiskRecord", "LogEventRecord",
 ]

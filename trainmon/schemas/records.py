@@ -230,3 +230,98 @@ class AlertRecord(Record):
     value: Optional[float] = None
     threshold: Optional[float] = None
     message: str
+
+
+class GpuHealthRecord(Record):
+    """One GPU's error counters from NVML, sampled less often than the gpu record
+    (``TRAINMON_GPU_HEALTH_INTERVAL_S``, 60 s) and at once when a critical XID arrives.
+
+    A field the GPU does not report (ECC off, no NVLink, row remapping before Ampere,
+    page retirement from Ampere on, events refused in a container) is absent (None, NULL
+    in ClickHouse), never 0: 0 means "counted, and none"."""
+
+    kind = "gpu_health"
+
+    step: Count
+    id: Count  # NVML index, as the gpu record's
+    # ECC error counts: volatile since the driver loaded, aggregate over the GPU's life.
+    ecc_volatile_corrected: Optional[Count] = None
+    ecc_volatile_uncorrected: Optional[Count] = None
+    ecc_aggregate_corrected: Optional[Count] = None
+    ecc_aggregate_uncorrected: Optional[Count] = None
+    # Row remapping (Ampere and later): rows remapped for correctable / uncorrectable
+    # errors, a remapping waiting for the next GPU reset, a remapping that failed.
+    remapped_rows_correctable: Optional[Count] = None
+    remapped_rows_uncorrectable: Optional[Count] = None
+    remapped_rows_pending: Optional[bool] = None
+    remapped_rows_failed: Optional[bool] = None
+    # Page retirement (before Ampere): pages retired for multiple single-bit / a
+    # double-bit ECC error, and pages waiting for the next reset to be retired.
+    retired_pages_single_bit: Optional[Count] = None
+    retired_pages_double_bit: Optional[Count] = None
+    retired_pages_pending: Optional[bool] = None
+    # Critical XID errors (NVML events) since this GPU's previous health record, oldest
+    # first; None when the GPU's events could not be registered.
+    xids: Optional[list[Count]] = None
+    xid_count: Optional[Count] = None  # len(xids); NULL where xids is not supported
+    pcie_replays: Optional[Count] = None  # PCIe replay counter
+    # NVLink data-link error counters, summed over the active links; None without NVLink.
+    nvlink_crc_flit_errors: Optional[Count] = None
+    nvlink_crc_data_errors: Optional[Count] = None
+    nvlink_replay_errors: Optional[Count] = None
+    nvlink_recovery_errors: Optional[Count] = None
+
+    @model_validator(mode="after")
+    def _derive(self) -> "GpuHealthRecord":
+        if self.xid_count is None and self.xids is not None:
+            self.xid_count = len(self.xids)
+        return self
+
+
+class CheckpointRecord(Record):
+    """A checkpoint save. ``event`` "saved": the save finished (one per save; what
+    ``log_checkpoint`` sends by default). "started": a log said a save began (Megatron,
+    torchtitan print both lines): a "started" without its "saved" is a save that never
+    finished. Formats that print one line per save give a "saved" record for it."""
+
+    kind = "checkpoint"
+
+    step: Count
+    event: Literal["started", "saved"] = "saved"
+    path: Optional[str] = None
+    bytes: Optional[Count] = None  # size of what was written
+    duration_ms: Optional[NonNegativeOrNonFinite] = None
+    # The filesystem holding the checkpoint, when the caller measured it.
+    free_bytes: Optional[Count] = None
+    total_bytes: Optional[Count] = None
+
+
+class DiskRecord(Record):
+    """Space on the filesystem holding the checkpoint directory (TRAINMON_CHECKPOINT_DIR),
+    sampled by the producer's disk thread every TRAINMON_DISK_INTERVAL_S and right after
+    each ``log_checkpoint``."""
+
+    kind = "disk"
+
+    step: Count  # the latest step the producer had logged (0 before the first)
+    path: str  # the checkpoint directory (measured at its nearest existing parent)
+    free_bytes: Count  # available to the job (statvfs f_bavail)
+    total_bytes: Count
+    used_bytes: Count
+
+
+class LogEventRecord(Record):
+    """A warning or error a log printed (NCCL WARN, NCCL / CUDA errors, Python warnings),
+    aggregated per rank: repeats of one ``signature`` (the text with numbers, addresses
+    and paths masked) are counted, and a record goes out when a signature first appears
+    and again at counts 2, 4, 8, ... and at the end of the log, each with the count so far."""
+
+    kind = "log_event"
+
+    level: Literal["warning", "error"]
+    source: str  # "nccl", "cuda", "python", "torch", "xid"
+    signature: str = Field(max_length=500)
+    text: str = Field(max_length=2000)  # the first occurrence, cut
+    count: Count = Field(ge=1)  # occurrences on this rank so far
+    first_step: Optional[Count] = None  # the last step logged before the first occurrence
+    last_step: Optional[Count] = None  # ... before the latest occurrence

@@ -39,7 +39,7 @@ from ...schemas import RECORD_TYPES, Record
 
 # String fields whose values repeat a lot (dictionary-encoded).
 LOW_CARDINALITY = {"run_id", "host", "throttle", "name", "project", "rule",
-                   "cuda_driver", "cuda_runtime"}
+                   "cuda_driver", "cuda_runtime", "source"}
 BOOKKEEPING = {
     "_topic": "LowCardinality(String)",
     "_partition": "Int32",
