@@ -22,6 +22,7 @@ from .formats import FORMATS, FormatParser, by_name
 from .ids import Occurrences, event_id
 from .lines import Line, split_line
 from .parsed import Parsed
+from .warnings import WarningWatcher, event_key
 
 log = logging.getLogger("trainmon.ingest")
 UTC = timezone.utc
@@ -49,6 +50,12 @@ class Session:
         self._ended: set[int] = set()
         self._max_rank = 0
         self._occurrences = Occurrences()
+        self._warnings = WarningWatcher()
+        # The latest step sent, on any rank (steps are the run's: often only one rank
+        # prints them), and the latest timestamp read: what a log event is dated with.
+        self._last_step: int | None = None
+        self._last_time: datetime | None = None
+        self._held_events: list[Parsed] | None = None  # while no format has been found
         self.sent: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
         self.lines = 0
@@ -90,14 +97,20 @@ class Session:
             # job that crashed before its first step).
             kept, self._undetected = self._undetected, []
             self.parser = FormatParser()
+            self._held_events = []
             for line in kept:
                 self._process(line)
-            if kept and not self.sent:
+            held, self._held_events = self._held_events, None
+            if kept and not self.sent:  # warnings alone do not make a log readable
                 raise FormatNotDetected(
                     f"no known log format in {len(kept):,} lines; choose one with "
                     f"--format ({', '.join(FORMATS)})")
+            for p in held + self._warnings.finish():
+                self._send_event(p)
             return
         self.idle()
+        for p in self._warnings.finish():
+            self._send_event(p)
 
     # -- internals -------------------------------------------------------------------
 
@@ -120,6 +133,12 @@ class Session:
         # (a step waiting for its timers) takes the next line's, from the same printer.
         self._line_host = line.host
         self._emit_all(self.parser.feed(line))
+        if line.time is not None:
+            self._last_time = line.time
+        # A warning line without a timestamp of its own (c10's "[W328 16:19:30.66 ...]"
+        # has no year) takes the log's latest: a backfill's events are not dated "now".
+        for p in self._warnings.feed(line.text, rank, self._last_time, self._last_step):
+            self._send_event(p)
         watcher = self._watchers.get(rank)
         if watcher is None:
             watcher = self._watchers[rank] = FailureWatcher()
@@ -140,9 +159,25 @@ class Session:
                     self._ended.discard(rank)
                 self._send(p, "end" if p.fields.get("event") == "end" else "start")
                 continue
-            if rank not in self._running:
+            if p.kind == "log_event":  # read back from trainmon's own JSON log
+                self._send_event(p)
+                continue
+            # A checkpoint saved after the run ended (the Trainer's final save_model follows
+            # its summary) does not start it again.
+            if rank not in self._running and p.kind != "checkpoint":
                 self._start(rank, p.time)
-            self._send(p, p.fields.get("step", ""))
+            step = p.fields.get("step", "")
+            if type(step) is int:
+                self._last_step = step
+            self._send(p, step)
+
+    def _send_event(self, p: Parsed) -> None:
+        """A log event: sent without starting a run (a warning printed at exit, after the
+        run ended, or by a rank that logs no steps, is no run start), its id from its content."""
+        if self._held_events is not None:
+            self._held_events.append(p)
+            return
+        self._send(p, event_key(p))
 
     def _start(self, rank: int, when: datetime | None) -> None:
         self._running.add(rank)

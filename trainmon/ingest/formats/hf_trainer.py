@@ -24,6 +24,10 @@ The Trainer does not print the step in its dicts. It is, in this order:
 4. else the count of loss dicts: 1, 2, 3, ...
 
 An evaluation dict takes the training bar's counter, else the step of the last loss dict.
+
+``Saving model checkpoint to saves/run/checkpoint-411`` is a "saved" checkpoint record at
+the step the directory names (``checkpoint-N``), else (the final ``save_model``) at the
+training bar's counter or the last loss dict's step.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import Any
 from ..lines import Line
 from ..parsed import Parsed
 from .base import FormatParser, try_integer, try_number
+from .checkpoints import checkpoint, path_step
 
 _DICT = re.compile(r"\{'[^{}]*(\}|$)")
 _PAIR = re.compile(r"'([^'\\]+)':\s*('(?:[^'\\]|\\.)*'|tensor\([^()]*\)|[^,{}]+)")
@@ -47,6 +52,7 @@ _LOGGING_STEPS = re.compile(r"\blogging_steps=([\d.]+)")
 _FIRST_STEP = re.compile(r"\blogging_first_step=True\b")
 # eval_loss, and with a metric key prefix: eval_snli_loss, mrpc_en_eval_loss
 _EVAL_LOSS = re.compile(r"(?:^|_)eval(?:_\w+)?_loss$")
+_SAVING = re.compile(r"\bSaving model checkpoint to (\S+)")
 _MAX_WRAPPED_LINES = 8
 GIB = 1024 ** 3
 
@@ -89,6 +95,8 @@ class HfTrainerParser(FormatParser):
         m = _DICT.search(text)
         self._read_bars(text[:m.start()] if m else text)
         if m is None:
+            if "Saving model checkpoint" in text and (saving := _SAVING.search(text)):
+                return self._checkpoint(saving.group(1), line)
             self._read_setup(text)
             return []
         if not m.group(1) and not joined:  # no closing brace: the rest is on the next lines
@@ -179,6 +187,14 @@ class HfTrainerParser(FormatParser):
         if runtime is not None:
             fields["duration_ms"] = runtime * 1000.0
         return [Parsed("eval", fields, line.rank, line.time)]
+
+    def _checkpoint(self, path: str, line: Line) -> list[Parsed]:
+        step = path_step(path)
+        if step is None:
+            step = self._bar_step()
+        if step is None:
+            step = self._last_step
+        return [] if step is None else [checkpoint(step, line, path=path)]
 
     def _step(self, step: int, values: dict[str, float], epoch: float | None,
               line: Line) -> list[Parsed]:

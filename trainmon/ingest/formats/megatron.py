@@ -15,6 +15,11 @@ interval a ``validation loss at iteration N | lm loss value: ... |`` line. The s
 held until its timer lines have been read (the next iteration, a quiet moment while
 following, or the end of the log), so its record carries them.
 
+Checkpoint saves (formats/checkpoints.py): ``saving checkpoint at iteration N to PATH`` is
+a "started" record, ``successfully saved checkpoint at|from iteration N to PATH`` a "saved"
+one, held for the ``save-checkpoint`` timer row that follows it (its max across ranks is
+the save's duration), else timed from the two lines' timestamps when both have one.
+
 Fields are matched by name with spaces removed, so a line hard-wrapped anywhere (as
 pasted into an issue) reads the same once joined.
 """
@@ -27,6 +32,7 @@ from typing import Any
 from ..lines import Line
 from ..parsed import Parsed
 from .base import FormatParser, integer, number
+from .checkpoints import SAVED, SAVING, checkpoint, elapsed_ms
 
 _ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*(\d+)\s*\|")
 _ITERATION_START = re.compile(r"\biteration\s+\d+\s*/")
@@ -140,6 +146,8 @@ class MegatronParser(FormatParser):
         self._in_timers = False
         self._last_step = 0
         self._last_tokens: tuple[int, int] | None = None  # (iteration, consumed tokens)
+        self._saving: dict[tuple[int | None, int], Line] = {}  # (rank, iteration) -> its start line
+        self._saved: Parsed | None = None   # a finished save, until its timer row is read
 
     @classmethod
     def detect(cls, line: Line) -> bool:
@@ -150,7 +158,7 @@ class MegatronParser(FormatParser):
     # -- lines ---------------------------------------------------------------------
 
     def feed(self, line: Line) -> list[Parsed]:
-        out: list[Parsed] = []
+        out: list[Parsed] = self._save_timer(line.text) if self._saved is not None else []
         if self._wrapped:
             if self._starts_something(line.text) or len(self._wrapped) >= _MAX_WRAPPED_LINES:
                 out += self._iteration(self._joined())
@@ -200,6 +208,8 @@ class MegatronParser(FormatParser):
             return out + [self._memory(m, line)]
         if (m := _VALIDATION.search(text)) is not None:
             return out + self._validation(m, line)
+        if "checkpoint" in text and (saves := self._checkpoint(line)) is not None:
+            return out + saves
         if _ARGS_START.match(text):
             self._in_args = True
         elif (m := _WORLD_SIZE.search(text)) is not None:
@@ -210,7 +220,8 @@ class MegatronParser(FormatParser):
 
     def flush(self) -> list[Parsed]:
         out = self._iteration(self._joined()) if self._wrapped else []
-        return out + self._release()
+        saved, self._saved = self._saved, None
+        return out + self._release() + ([saved] if saved is not None else [])
 
     @staticmethod
     def _starts_something(text: str) -> bool:
@@ -282,6 +293,44 @@ class MegatronParser(FormatParser):
                 timers[f"{name.strip()}.min"] = number(low)
         except ValueError:
             pass
+
+    def _checkpoint(self, line: Line) -> list[Parsed] | None:
+        """A checkpoint line's records; None when the line is none."""
+        if (m := SAVING.search(line.text)) is not None:
+            rank = int(m.group(1)) if m.group(1) is not None else line.rank
+            step = int(m.group(2))
+            self._saving[(rank, step)] = line
+            return [checkpoint(step, line, event="started", path=m.group(3), rank=rank)]
+        if (m := SAVED.search(line.text)) is None:
+            return None
+        step = int(m.group(1))
+        start = self._saving.pop((line.rank, step), None)
+        out = [self._saved] if self._saved is not None else []
+        self._saved = checkpoint(step, line, path=m.group(2),
+                                 duration_ms=elapsed_ms(start and start.time, line.time))
+        return out
+
+    def _save_timer(self, text: str) -> list[Parsed]:
+        """While a finished save is held: its ``save-checkpoint`` timer row gives its
+        duration; any other line that is not a timer row releases it."""
+        if _TIMERS_HEADER.search(text):
+            return []
+        m = _TIMER_ROW.match(text) if self._in_timers else None
+        if m is not None:
+            name, _, high, single = m.groups()
+            timers = [(name, high or single)]
+        elif _TIMERS_ONE_LINE.match(text):  # "time (ms) | save-checkpoint: 2345.67"
+            timers = [part.rpartition(":")[::2] for part in text.split("|")[1:]]
+        else:
+            saved, self._saved = self._saved, None
+            return [saved]
+        for name, value in timers:
+            if name.strip().startswith("save-checkpoint"):
+                try:
+                    self._saved.fields["duration_ms"] = number(value)
+                except ValueError:
+                    pass
+        return []
 
     def _memory(self, m: re.Match, line: Line) -> Parsed:
         values = {}

@@ -7,10 +7,15 @@
     step 250: train loss 1.2345, val loss 1.4567
     iter 250: loss 1.3456, time 123.45ms, mfu 12.34%
 
+    saving checkpoint to out-shakespeare-char
+
 ``iter`` lines are steps, ``step`` lines the evaluation every ``eval_interval``; the
 tokens-per-iteration line, printed once at the start, sizes every later step (so the
 record derives tokens per second from the step time). The configuration it prints goes
-into the run's config, ``max_iters`` into the steps' total.
+into the run's config, ``max_iters`` into the steps' total. ``saving checkpoint to DIR``
+(printed after the evaluation, before ``torch.save``; forks print ``saving checkpoint ->
+FILE``) is a "saved" checkpoint record at the step the file name says, else the last
+step read: nanoGPT prints nothing when the save ends.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import re
 from ..lines import Line
 from ..parsed import Parsed
 from .base import FormatParser, try_integer, try_number
+from .checkpoints import checkpoint, path_step
 
 _ITER = re.compile(r"^iter (\d+): loss ([-+\w.]+), time ([-+\w.]+)ms(?:, mfu ([-+\w.]+)%)?")
 _EVAL = re.compile(r"^step (\d+): train loss ([-+\w.]+), val loss ([-+\w.]+)")
@@ -27,6 +33,7 @@ _TOKENS = re.compile(r"^tokens per iteration will be: ([\d,]+)")
 _OVERRIDE = re.compile(r"^Overriding: (\w+) = (.*?)\s*$")
 _CONFIG_FILE = re.compile(r"^Overriding config with \S+:\s*$")
 _ASSIGNMENT = re.compile(r"^(\w+) = (.*?)\s*(?:#.*)?$")  # a line of the printed config file
+_SAVING = re.compile(r"^saving checkpoint (?:to|->) (\S+)")
 
 
 class NanoGptParser(FormatParser):
@@ -38,6 +45,7 @@ class NanoGptParser(FormatParser):
         self._step_tokens: int | None = None
         self._total: int | None = None
         self._in_config_file = False
+        self._last_step: int | None = None
 
     @classmethod
     def detect(cls, line: Line) -> bool:
@@ -57,9 +65,14 @@ class NanoGptParser(FormatParser):
             return self._iteration(m, line)
         if (m := _EVAL.match(text)) is not None:
             loss = try_number(m.group(3))
+            self._last_step = int(m.group(1))
             if loss is None:
                 return []
             return [Parsed("eval", {"step": int(m.group(1)), "loss": loss}, line.rank, line.time)]
+        if (m := _SAVING.match(text)) is not None:
+            step = path_step(m.group(1))
+            step = self._last_step if step is None else step
+            return [] if step is None else [checkpoint(step, line, path=m.group(1))]
         if (m := _TOKENS.match(text)) is not None:
             self._step_tokens = try_integer(m.group(1))
         elif (m := _OVERRIDE.match(text)) is not None:
@@ -83,6 +96,7 @@ class NanoGptParser(FormatParser):
             self._total = value
 
     def _iteration(self, m: re.Match, line: Line) -> list[Parsed]:
+        self._last_step = int(m.group(1))
         loss = try_number(m.group(2))
         if loss is None:
             return []

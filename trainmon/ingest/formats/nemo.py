@@ -13,6 +13,17 @@ Lightning prints bar numbers with tqdm's 3 significant digits when that is short
 ``global_step=2e+3`` may be 1999: such a step is taken from the bar's own counter
 instead, offset as the last exact ``global_step`` of the epoch was (else by one: NeMo's
 ``global_step`` is the counter minus one), when that agrees with the rounded value.
+
+Checkpoint saves, each a "saved" record (one per path: NeMo may print two lines for one save)::
+
+    Epoch 0, global step 100: 'val_loss' reached 2.34567 (best 2.34567), saving model to '/ckpt/x.ckpt' as top 3
+    [NeMo I 2026-02-17 17:59:05 nemo_logging:393] Global Checkpoint Save : Rank: 0 : Iteration: 49 : Start time: 1771351145.879s : Save duration: 5.330s
+    [NeMo I 2026-02-17 17:59:15 nemo_logging:393] Successfully saved checkpoint from iteration 49 to /ckpt/step=49.ckpt
+    [NeMo I 2026-02-17 17:59:15 nemo_logging:393] Async checkpoint save for step 50 (/ckpt/step=49.ckpt) finalized successfully.
+
+(Lightning's verbose ModelCheckpoint line, Megatron-Core's line with the save duration
+NeMo printed before it, NeMo's async finalisation at the step its path names, else
+``global_step - 1``: the iteration the save follows.)
 """
 
 from __future__ import annotations
@@ -24,10 +35,16 @@ from typing import Any
 from ..lines import Line
 from ..parsed import Parsed
 from .base import FormatParser, try_integer, try_number
+from .checkpoints import SAVED, checkpoint, path_step
 
 _BAR = re.compile(r"^\s*Epoch (\d+):.*?(?:(\d+)/(\d+)|(\d+)it) \[([^\]]*)\]")
 _PRINTER = re.compile(r"^\s*Training epoch (\d+), iteration (\d+)/(\d+) \|(.*)")
 _DETECT = re.compile(r"\breduced_train_loss[=:]")
+_LIGHTNING_SAVE = re.compile(r"^\s*Epoch \d+, global step (\d+): .*\bsaving model to "
+                             r"(['\"]?)(.+?)\2(?: as top \d+)?\s*$")
+_SAVE_DURATION = re.compile(r"Global Checkpoint Save : Rank: \d+ : Iteration: (\d+) :.*"
+                            r"Save duration: ([\d.]+)\s*s")
+_ASYNC_SAVED = re.compile(r"Async checkpoint save for step (\d+) \((.*?)\) finalized successfully")
 
 # NeMo's metric -> (StepRecord field, converter)
 _STEP_FIELDS: dict[str, tuple[str, Any]] = {
@@ -65,6 +82,8 @@ class NemoParser(FormatParser):
         self._last_val: dict[int | None, float] = {}
         self._offset: tuple[int, int] | None = None      # (epoch, global_step - bar counter)
         self._held: tuple[tuple[int, int], Any] | None = None  # ((epoch, counter), its last draw)
+        self._saved_path: dict[int | None, str] = {}    # per printed rank: the last save's path
+        self._save_ms: dict[int, float] = {}            # iteration -> NeMo's save duration
 
     @classmethod
     def detect(cls, line: Line) -> bool:
@@ -87,7 +106,32 @@ class NemoParser(FormatParser):
             out = self.flush() if self._held is not None and self._held[0] != key else []
             self._held = (key, (m, line))
             return out
+        if "heckpoint" in text or "saving model to" in text:
+            return self._checkpoint(line)
         return []
+
+    def _checkpoint(self, line: Line) -> list[Parsed]:
+        text = line.text
+        duration = None
+        if (m := _SAVE_DURATION.search(text)) is not None:
+            if (ms := try_number(m.group(2))) is not None:
+                self._save_ms[int(m.group(1))] = ms * 1000.0
+            return []
+        if (m := SAVED.search(text)) is not None:
+            step, path = int(m.group(1)), m.group(2)
+            duration = self._save_ms.pop(step, None)
+        elif (m := _LIGHTNING_SAVE.match(text)) is not None:
+            step, path = int(m.group(1)), m.group(3)
+        elif (m := _ASYNC_SAVED.search(text)) is not None:
+            path = m.group(2)
+            step = path_step(path)
+            step = max(0, int(m.group(1)) - 1) if step is None else step
+        else:
+            return []
+        if self._saved_path.get(line.rank) == path:
+            return []  # the same save, told twice
+        self._saved_path[line.rank] = path
+        return [checkpoint(step, line, path=path, duration_ms=duration)]
 
     def flush(self) -> list[Parsed]:
         if self._held is None:

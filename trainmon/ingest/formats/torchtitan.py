@@ -8,6 +8,12 @@ lines.py, the colour codes too; what is left starts ``- root - INFO - ``)::
 Older releases print ``wps`` for ``tps`` and no grad norm or tflops. ``tps`` is tokens
 per second per device; ``memory`` the peak reserved by the caching allocator since the
 last line (sent as an allocator record, in bytes).
+
+Checkpoint saves: ``Saving the checkpoint (or staging if async is enabled).`` (older:
+``Saving a full checkpoint at step 10``, ``Saving a model weights only checkpoint in
+torch.bfloat16 at last step, step 10.``) is a "started" record, ``Finished saving the
+checkpoint (or staging if async is enabled)in 3.45 seconds.`` a "saved" one with that
+duration, both at the step the line names, else the last metrics line's.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from typing import Any
 from ..lines import Line
 from ..parsed import Parsed
 from .base import FormatParser, try_number
+from .checkpoints import checkpoint
 
 _STEP = re.compile(r"(?:^|[\s-])step:\s*(\d+)\s+loss:\s*(\S+)(.*)")
 _VALIDATE = re.compile(r"\bvalidate step:\s*(\d+)\s+loss:\s*(\S+)(.*)")
@@ -27,6 +34,9 @@ _DETECT = re.compile(r"(?:^|[\s-])step:\s*\d+\s+loss:\s*\S+\s+(?:grad_norm:\s*\S
 _DONE = re.compile(r"\bINFO - Training completed\s*$")
 GIB = 1024 ** 3
 _SAME_PRINT = timedelta(seconds=60)
+_SAVING = re.compile(r"\bSaving (?:the checkpoint|a full checkpoint at step (\d+)|"
+                     r"a model (?:weights )?only checkpoint .*?\bstep (\d+))")
+_SAVED = re.compile(r"\bFinished saving the checkpoint\b.*?\bin\s*([\d.]+)\s*seconds")
 
 # metrics-line field -> StepRecord field
 _STEP_FIELDS = {"grad_norm": "norm", "tps": "tokens_per_second", "wps": "tokens_per_second",
@@ -43,6 +53,7 @@ class TorchTitanParser(FormatParser):
         # no prefix to tell them apart: the last step seen per printed rank, and when, to
         # keep one (a run restarted from a checkpoint may print the step again, later).
         self._last: dict[tuple[str, int | None], tuple[int, datetime | None]] = {}
+        self._saving_step: int | None = None  # the step a "Saving ..." line named
 
     @classmethod
     def detect(cls, line: Line) -> bool:
@@ -56,6 +67,8 @@ class TorchTitanParser(FormatParser):
             return self._step(m, line)
         if _DONE.search(text):
             self.finished = True
+        elif "checkpoint" in text:
+            return self._checkpoint(line)
         return []
 
     def _repeated(self, kind: str, step: int, line: Line) -> bool:
@@ -84,6 +97,24 @@ class TorchTitanParser(FormatParser):
                 if number is not None:
                     fields[_STEP_FIELDS[name]] = number
         return [Parsed("step", fields, line.rank, line.time), *out]
+
+    def _checkpoint(self, line: Line) -> list[Parsed]:
+        if (m := _SAVING.search(line.text)) is not None:
+            named = m.group(1) or m.group(2)
+            event, seconds = "started", None
+        elif (m := _SAVED.search(line.text)) is not None:
+            named, event, seconds = None, "saved", try_number(m.group(1))
+        else:
+            return []
+        last = self._last.get(("step", line.rank))
+        step = int(named) if named else self._saving_step if event == "saved" else None
+        if step is None:
+            step = last[0] if last is not None else 0
+        self._saving_step = step if event == "started" else None
+        if self._repeated(f"checkpoint-{event}", step, line):
+            return []
+        return [checkpoint(step, line, event=event,
+                           duration_ms=None if seconds is None else seconds * 1000.0)]
 
     def _validation(self, m: re.Match, line: Line) -> list[Parsed]:
         step, loss = int(m.group(1)), try_number(m.group(2))
