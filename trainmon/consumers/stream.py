@@ -69,6 +69,10 @@ class RecordStream:
         settings = dict(self._settings, group_id=group_id, enable_auto_commit=False,
                         auto_offset_reset="earliest", max_poll_records=self.MAX_RECORDS,
                         fetch_max_bytes=8 * 1024 * 1024, group_instance_id=self.instance_id,
+                        # After a broker outage the service reconnects within a second
+                        # (kafka-python's default backoff grows to 30 s: a 5-minute outage
+                        # left the loader idle ~48 s after the broker was back).
+                        reconnect_backoff_max_ms=1000,
                         **consumer_settings)
         try:
             self.consumer = KafkaConsumer(**settings)
