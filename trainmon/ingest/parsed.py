@@ -13,3 +13,4 @@ class Parsed:
     fields: dict[str, Any]        # the record's own fields (no envelope)
     rank: int | None = None       # None: rank 0 (the line had no rank prefix)
     time: datetime | None = None  # None: no timestamp in the log; the session uses now
+    host: str | None = None       # None: the host of the line that completed the record

@@ -137,7 +137,7 @@ class Session:
             self._last_time = line.time
         # A warning line without a timestamp of its own (c10's "[W328 16:19:30.66 ...]"
         # has no year) takes the log's latest: a backfill's events are not dated "now".
-        for p in self._warnings.feed(line.text, rank, self._last_time, self._last_step):
+        for p in self._warnings.feed(line.text, rank, self._last_time, self._last_step, line.host):
             self._send_event(p)
         watcher = self._watchers.get(rank)
         if watcher is None:
@@ -210,7 +210,7 @@ class Session:
         try:
             record = RECORD_TYPES[p.kind](
                 run_id=self.run_id, rank=rank, world_size=max(world, self._max_rank + 1),
-                host=self._line_host or self._host, time=p.time or self._clock(),
+                host=p.host or self._line_host or self._host, time=p.time or self._clock(),
                 event_id=event_id(self.run_id, p.kind, rank, key, n), **fields)
         except ValidationError as exc:
             if not self.rejected[p.kind]:

@@ -48,7 +48,7 @@ _NCCL_ERROR = re.compile(r"NCCL error|NCCL ERROR|nccl(?:InternalError|UnhandledC
 _CUDA = re.compile(r"CUDA error\b|CUDA out of memory|CUBLAS_STATUS_[A-Z_]+|CUDNN_STATUS_[A-Z_]+")
 _PY_WARNING = re.compile(r"(?:^|\s)\S+\.py:\d+: ([A-Z]\w*Warning): (.*)")
 _HEX = re.compile(r"\b0x[0-9a-fA-F]+")
-_NUMBER = re.compile(r"(?<![A-Za-z_])\d+(?:\.\d+)?")  # not the digits of a name (FSDP2, v100)
+_NUMBER = re.compile(r"(?<![\w.])\d+(?:\.\d+)?(?!x\?)")  # not in a name (FSDP2, v100x16) nor 0x?
 
 
 def _maybe(text: str) -> bool:
@@ -103,6 +103,7 @@ class _Seen:
     first_step: int | None
     last_step: int | None
     last_time: datetime | None
+    host: str | None  # of the latest occurrence (pdsh's prefix), None: the session's
     sent: int = 0  # the count last sent
 
 
@@ -113,7 +114,8 @@ class WarningWatcher:
     def __init__(self) -> None:
         self._seen: dict[tuple[int, str, str], _Seen] = {}
 
-    def feed(self, text: str, rank: int, time: datetime | None, step: int | None) -> list[Parsed]:
+    def feed(self, text: str, rank: int, time: datetime | None, step: int | None,
+             host: str | None = None) -> list[Parsed]:
         if not _maybe(text):  # most lines: one call, a few substring searches
             return []
         found = classify(text)
@@ -124,9 +126,9 @@ class WarningWatcher:
         if seen is None:
             if len(self._seen) >= MAX_SIGNATURES:
                 return []
-            seen = self._seen[key] = _Seen(found, 0, step, step, time)
+            seen = self._seen[key] = _Seen(found, 0, step, step, time, host)
         seen.count += 1
-        seen.last_step, seen.last_time = step, time or seen.last_time
+        seen.last_step, seen.last_time, seen.host = step, time or seen.last_time, host
         if seen.count & (seen.count - 1):  # not a power of two
             return []
         return [self._record(rank, seen)]
@@ -147,7 +149,7 @@ class WarningWatcher:
             fields["first_step"] = seen.first_step
         if seen.last_step is not None:
             fields["last_step"] = seen.last_step
-        return Parsed("log_event", fields, rank, seen.last_time)
+        return Parsed("log_event", fields, rank, seen.last_time, seen.host)
 
 
 def event_key(p: Parsed) -> str:

@@ -51,13 +51,13 @@ class DiskSampler:
 
     def __init__(self, send: Callable[[dict[str, Any]], Any], path: str | Path,
                  interval_s: float = DEFAULT_INTERVAL_S, *, step: Callable[[], int] = lambda: 0,
-                 usage: Callable[[Any], Any] = shutil.disk_usage):
+                 usage: Callable[[Any], Any] | None = None):
         self.path = str(path)
         self.interval_s = interval_s
         self.samples = 0
         self._send = send
         self._step = step
-        self._usage = usage
+        self._usage = usage if usage is not None else shutil.disk_usage
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._pending_step: int | None = None
@@ -70,7 +70,8 @@ class DiskSampler:
         return self
 
     def nudge(self, step: int | None = None) -> None:
-        """Measure now (a checkpoint was just saved); the record carries ``step``."""
+        """Measure now (a checkpoint was just saved); the record carries ``step``. Saves
+        logged faster than the thread wakes share one measurement, at the latest step."""
         self._pending_step = step
         self._wake.set()
 
