@@ -18,7 +18,7 @@ from typing import Callable
 
 from trainmon.consumers.alerts.config import load_config
 from trainmon.consumers.alerts.service import AlertService
-from trainmon.schemas import GpuRecord, MoeRecord, Record, RunRecord, StepRecord
+from trainmon.schemas import EvalRecord, GpuRecord, MoeRecord, Record, RunRecord, StepRecord
 
 UTC = timezone.utc
 Mutate = Callable[[int, int, dict, dict, dict], None]  # step, rank, step/gpu/moe fields
@@ -27,10 +27,14 @@ Mutate = Callable[[int, int, dict, dict, dict], None]  # step, rank, step/gpu/mo
 def synthetic_run(run_id: str, *, t0: float, ranks: int = 1, steps: int = 80, dt: float = 1.0,
                   seed: int = 0, mutate: Mutate | None = None, end: bool | set[int] = True,
                   stop_rank_at: dict[int, int] | None = None, first_step: int = 0,
-                  only_ranks: set[int] | None = None) -> list[Record]:
+                  only_ranks: set[int] | None = None, eval_every: int = 0,
+                  end_status: str = "success", end_reason: str | None = None) -> list[Record]:
     """A healthy run: loss falling, grad norm ~1, steady step time, cool busy GPUs, a
     balanced MoE router. ``stop_rank_at`` {rank: last step} makes ranks go silent;
-    ``first_step`` / ``only_ranks`` produce a later part of a run, for some ranks."""
+    ``first_step`` / ``only_ranks`` produce a later part of a run, for some ranks.
+    ``eval_every``: an eval record every that many steps, its loss the step's plus 0.1 (a
+    mutation sets it with ``step["eval_loss"]``); ``end_status`` / ``end_reason``: how the
+    run ends."""
     rng = random.Random(seed)
     stop_rank_at = stop_rank_at or {}
     out: list[Record] = []
@@ -56,16 +60,46 @@ def synthetic_run(run_id: str, *, t0: float, ranks: int = 1, steps: int = 80, dt
                        temperature=65, temp_slowdown=90, gpu_util=97, mem_util=60, dram_free=20 << 30,
                        pcie_rx=0, pcie_tx=0, fan=0, throttle="app_clocks" if s % 10 == 0 else "")
             moe = dict(step=s, aux_loss=0.01, z_loss=0.001, expert_utilization=0.95, load_imbalance=1.3)
+            step["eval_loss"] = step["loss"] + 0.1
             if mutate is not None:
                 mutate(s, r, step, gpu, moe)
+            eval_loss = step.pop("eval_loss")
             out.append(StepRecord(**env(r, t, "step", s), **step))
             out.append(GpuRecord(**env(r, t, "gpu", s), **gpu))
             out.append(MoeRecord(**env(r, t, "moe", s), **moe))
+            if eval_every and s % eval_every == 0 and s > 0:
+                out.append(EvalRecord(**env(r, t, "eval", s), step=s, eval_tokens=65536,
+                                      duration_ms=500.0, loss=eval_loss))
     if end:
         t_end = t0 + (steps + 1) * dt
         ending = members if end is True else sorted(end)
-        out += [RunRecord(**env(r, t_end, "end", steps), event="end") for r in ending]
+        out += [RunRecord(**env(r, t_end, "end", steps), event="end", status=end_status,
+                          reason=end_reason) for r in ending]
     return out
+
+
+def run_engine(engine, records: list[Record], *, tick_after_s: float | None = None) -> list:
+    """Every alert of ``records`` through an in-memory engine: per record, then a tick on
+    record time; with ``tick_after_s``, one more tick with the wall clock that long after
+    the last record (the job silent since)."""
+    out = []
+    for record in records:
+        out.extend(engine.process(record))
+        out.extend(engine.tick())
+    if tick_after_s is not None and records:
+        out.extend(engine.tick(now=max(r.time.timestamp() for r in records) + tick_after_s))
+    return out
+
+
+def engine_with(**settings):
+    """An AlertEngine with TRAINMON_ALERT_* overrides (upper-cased keys)."""
+    from trainmon.consumers.alerts import AlertEngine
+
+    return AlertEngine(load_config(env={f"TRAINMON_ALERT_{k.upper()}": str(v) for k, v in settings.items()}))
+
+
+def firing(alerts: list) -> list:
+    return [a for a in alerts if a.state == "firing"]
 
 
 def send(producer, records: list[Record]) -> None:

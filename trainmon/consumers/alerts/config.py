@@ -14,7 +14,9 @@ import os
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
+
+from .thresholds import THRESHOLD_RULES, ThresholdSpec
 
 Severity = Literal["info", "warning", "critical"]
 ENV_PREFIX = "TRAINMON_ALERT_"
@@ -25,7 +27,9 @@ class RuleConfig(BaseModel):
     """Settings every rule has. A condition must hold for ``fire_after`` observations in a
     row (and ``fire_after_s`` seconds of record time) to fire; ``clear_after`` healthy
     observations resolve it; after resolving, the same incident waits ``cooldown_s``
-    before it may fire again."""
+    before it may fire again. ``escalate_factor``: while an incident is open, a value that
+    many times worse than the one it fired with notifies again (the open incident resolves
+    as superseded and a new one fires); None: never."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -35,31 +39,60 @@ class RuleConfig(BaseModel):
     fire_after_s: float = Field(0.0, ge=0)
     clear_after: int = Field(1, ge=1)
     cooldown_s: float = Field(60.0, ge=0)
+    escalate_factor: Optional[float] = Field(None, gt=1)
 
+
+# -- grad norm ----------------------------------------------------------------------------
 
 class GradSpike(RuleConfig):
-    factor: float = Field(5.0, gt=1)  # norm > factor x moving average (Surogate's "!")
-    window: int = Field(100, ge=2)
-    min_samples: int = Field(20, ge=1)
+    # norm >= factor x the median of the run's last `window` accepted norms (from
+    # `min_samples` on) and a robust z-score >= min_z over them; or >= jump x that median
+    # from the first earlier record on (an order-of-magnitude jump needs no statistics).
+    factor: float = Field(3.0, gt=1)
+    jump: float = Field(10.0, gt=1)
+    min_z: float = Field(3.5, ge=0)
+    window: int = Field(50, ge=3)
+    min_samples: int = Field(3, ge=1)
+    escalate_factor: Optional[float] = Field(10.0, gt=1)
+
+
+class ExplodingGrad(RuleConfig):
+    severity: Severity = "critical"
+    factor: float = Field(10.0, gt=1)  # norm >= factor x the run's own median ...
+    window: int = Field(50, ge=1)
+    fire_after: int = Field(3, ge=1)  # ... on this many records in a row
+    escalate_factor: Optional[float] = Field(10.0, gt=1)
 
 
 class NonFinite(RuleConfig):
     severity: Severity = "critical"
 
 
-class ExplodingGrad(RuleConfig):
-    severity: Severity = "critical"
-    threshold: float = Field(100.0, gt=0)
+class FrozenGradNorm(RuleConfig):
+    repeats: int = Field(5, ge=2)  # the same grad norm on this many new steps in a row
 
 
-class DeadGradients(RuleConfig):
-    fire_after: int = Field(3, ge=1)
-
+# -- loss ----------------------------------------------------------------------------------
 
 class LossSpike(RuleConfig):
-    rise: float = Field(0.2, gt=0)  # loss > (1 + rise) x median of the window
-    window: int = Field(50, ge=2)
-    min_samples: int = Field(20, ge=1)
+    # loss >= (1 + rise) x the median of the last `window` accepted losses (from
+    # `min_samples` on) with a robust z-score >= min_z, on `fire_after` records in a row;
+    # or >= (1 + jump) x that median on one record, from the first earlier record on.
+    rise: float = Field(0.2, gt=0)
+    jump: float = Field(1.0, gt=0)
+    min_z: float = Field(3.5, ge=0)
+    window: int = Field(50, ge=3)
+    min_samples: int = Field(3, ge=1)
+    fire_after: int = Field(2, ge=1)
+
+
+class LossDivergence(RuleConfig):
+    # The median of the newer half of the last `window` losses is >= (1 + rise) x the lowest
+    # such median of the run so far, and above the older half's: a sustained rise.
+    rise: float = Field(0.1, gt=0)
+    window: int = Field(20, ge=4)
+    clear_after: int = Field(5, ge=1)
+    cooldown_s: float = Field(600.0, ge=0)
 
 
 class LossPlateau(RuleConfig):
@@ -70,6 +103,51 @@ class LossPlateau(RuleConfig):
     clear_after: int = Field(50, ge=1)
     cooldown_s: float = Field(3600.0, ge=0)
 
+
+class FrozenLoss(RuleConfig):
+    severity: Severity = "critical"
+    repeats: int = Field(8, ge=2)  # the same non-zero loss on this many new steps in a row
+
+
+class EvalLossSpike(RuleConfig):
+    rise: float = Field(0.1, gt=0)  # eval loss >= (1 + rise) x the median of recent evals
+    window: int = Field(5, ge=2)
+    min_samples: int = Field(2, ge=1)
+
+
+class EvalDivergence(RuleConfig):
+    # eval loss >= (1 + rise) x its best so far while the train loss (median of the last
+    # `train_window` step losses) is below what it was at that best eval: overfitting.
+    rise: float = Field(0.02, gt=0)
+    train_window: int = Field(20, ge=1)
+    fire_after: int = Field(2, ge=1)  # evals in a row
+    clear_after: int = Field(1, ge=1)
+
+
+# -- fp16 loss scaling, skipped iterations --------------------------------------------------
+
+class LossScaleCollapse(RuleConfig):
+    # fp16 only (a run whose loss scale was ever other than 1.0; bf16 prints a constant 1.0):
+    # the scale fell to <= max over the last `window_steps` iterations / drop_factor, or to
+    # <= min_scale; not judged before iteration `warmup_steps` (the scaler calibrates).
+    severity: Severity = "critical"
+    drop_factor: float = Field(8.0, gt=1)
+    window_steps: int = Field(100, ge=1)
+    min_scale: float = Field(1.0, gt=0)
+    warmup_steps: int = Field(100, ge=0)
+    escalate_factor: Optional[float] = Field(10.0, gt=1)
+
+
+class SkippedIterations(RuleConfig):
+    # >= max_skipped iterations skipped within the last `window_steps` iterations;
+    # before iteration `warmup_steps` (fp16 loss-scale calibration) at severity info.
+    severity: Severity = "critical"
+    max_skipped: int = Field(3, ge=1)
+    window_steps: int = Field(100, ge=1)
+    warmup_steps: int = Field(100, ge=0)
+
+
+# -- speed ----------------------------------------------------------------------------------
 
 class RankMismatch(RuleConfig):
     severity: Severity = "critical"
@@ -87,16 +165,20 @@ class Straggler(RuleConfig):
 
 class IterationTimeSpike(RuleConfig):
     severity: Severity = "info"
-    factor: float = Field(3.0, gt=1)
+    factor: float = Field(3.0, gt=1)  # step time > factor x median of the last `window`
     window: int = Field(50, ge=2)
-    min_samples: int = Field(10, ge=1)
+    min_samples: int = Field(3, ge=1)
+    fire_after: int = Field(3, ge=1)
 
 
 class ThroughputDrop(RuleConfig):
-    drop: float = Field(0.3, gt=0, lt=1)  # tokens/s < (1 - drop) x recent median
-    window: int = Field(100, ge=2)
-    min_samples: int = Field(10, ge=1)
-    fire_after: int = Field(5, ge=1)
+    # tokens/s, else TFLOP/s, else samples (global batch) / step time, < (1 - drop) x the
+    # median of the last `window` records measured the same way.
+    drop: float = Field(0.25, gt=0, lt=1)
+    window: int = Field(50, ge=2)
+    min_samples: int = Field(3, ge=1)
+    fire_after: int = Field(2, ge=1)
+    fire_after_s: float = Field(60.0, ge=0)
 
 
 class LrZero(RuleConfig):
@@ -105,14 +187,17 @@ class LrZero(RuleConfig):
     fire_after: int = Field(3, ge=1)
 
 
-class LossScaleCollapse(RuleConfig):
+class Stalled(RuleConfig):
     severity: Severity = "critical"
-    min_scale: float = Field(1.0, gt=0)
+    factor: float = Field(10.0, gt=1)  # no new step for factor x median step time ...
+    min_s: float = Field(300.0, gt=0)  # ... and at least this long
 
 
-class NumZeros(RuleConfig):
-    max_fraction: float = Field(0.5, gt=0, le=1)
+class RunFailed(RuleConfig):
+    severity: Severity = "critical"  # an aborted run (cancelled): warning
 
+
+# -- GPU, MoE -----------------------------------------------------------------------------------
 
 class GpuTemperature(RuleConfig):
     margin_c: float = Field(0.0, ge=0)  # fire at temp_slowdown - margin_c
@@ -131,69 +216,78 @@ class GpuThrottle(RuleConfig):
         return [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v
 
 
-class GpuUnderutilized(RuleConfig):
-    min_util: float = Field(50.0, ge=0, le=100)
-    fire_after_s: float = Field(60.0, ge=0)
+class MoeRouterLoss(RuleConfig):
+    # The router loss >= (1 + rise) x the median of its last `window` values (from
+    # `min_samples` on): its scale depends on the framework (Megatron's load-balancing loss
+    # sits near 1.0 when balanced, others report it times a coefficient), so it is judged
+    # against the run's own level.
+    rise: float = Field(0.5, gt=0)
+    window: int = Field(100, ge=3)
+    min_samples: int = Field(3, ge=1)
     fire_after: int = Field(3, ge=1)
     cooldown_s: float = Field(300.0, ge=0)
 
 
-class GpuMemoryLow(RuleConfig):
-    min_free_bytes: int = Field(1 << 30, ge=0)
+class MoeAuxLoss(MoeRouterLoss):
+    pass
 
 
-class MoeRule(RuleConfig):
-    fire_after: int = Field(3, ge=1)
-    cooldown_s: float = Field(300.0, ge=0)
+class MoeZLoss(MoeRouterLoss):
+    rise: float = Field(1.0, gt=0)
 
 
-class MoeAuxLoss(MoeRule):
-    threshold: float = 1.0  # fires above
+def _threshold_config(spec: ThresholdSpec) -> type[RuleConfig]:
+    fields: dict[str, Any] = {
+        "severity": (Severity, spec.severity),
+        "fire_after": (int, Field(spec.fire_after, ge=1)),
+        "fire_after_s": (float, Field(spec.fire_after_s, ge=0)),
+        "clear_after": (int, Field(spec.clear_after, ge=1)),
+        "cooldown_s": (float, Field(spec.cooldown_s, ge=0)),
+    }
+    if spec.param:
+        kind = int if spec.unit == "bytes" else float
+        default = kind(spec.threshold)
+        fields[spec.param] = (kind, Field(default, **dict(spec.bounds)))
+    name = "".join(part.title() for part in spec.name.split("_"))
+    return create_model(name, __base__=RuleConfig, __doc__=spec.catches, **fields)
 
 
-class MoeZLoss(MoeRule):
-    threshold: float = 0.1  # fires above
+# Every rule's settings, in the order of the docs: class rules, then the threshold rules of
+# thresholds.py (their settings are generated from the table).
+RULE_CONFIGS: dict[str, type[RuleConfig]] = {
+    "non_finite": NonFinite,
+    "grad_spike": GradSpike,
+    "exploding_grad": ExplodingGrad,
+    "frozen_grad_norm": FrozenGradNorm,
+    "loss_spike": LossSpike,
+    "loss_divergence": LossDivergence,
+    "loss_plateau": LossPlateau,
+    "frozen_loss": FrozenLoss,
+    "eval_loss_spike": EvalLossSpike,
+    "eval_divergence": EvalDivergence,
+    "loss_scale_collapse": LossScaleCollapse,
+    "skipped_iterations": SkippedIterations,
+    "lr_zero": LrZero,
+    "iteration_time_spike": IterationTimeSpike,
+    "throughput_drop": ThroughputDrop,
+    "straggler": Straggler,
+    "rank_mismatch": RankMismatch,
+    "stalled": Stalled,
+    "run_failed": RunFailed,
+    "gpu_temperature": GpuTemperature,
+    "gpu_throttle": GpuThrottle,
+    "moe_aux_loss": MoeAuxLoss,
+    "moe_z_loss": MoeZLoss,
+    **{spec.name: _threshold_config(spec) for spec in THRESHOLD_RULES},
+}
 
 
-class MoeExpertUtilization(MoeRule):
-    threshold: float = Field(0.5, ge=0, le=1)  # fires below
-
-
-class MoeLoadImbalance(MoeRule):
-    threshold: float = Field(3.0, ge=1)  # fires above
-
-
-class Stalled(RuleConfig):
-    severity: Severity = "critical"
-    factor: float = Field(10.0, gt=1)  # no new step for factor x median step time ...
-    min_s: float = Field(300.0, gt=0)  # ... and at least this long
-
-
-class Rules(BaseModel):
+class _RulesBase(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    grad_spike: GradSpike = GradSpike()
-    non_finite: NonFinite = NonFinite()
-    exploding_grad: ExplodingGrad = ExplodingGrad()
-    dead_gradients: DeadGradients = DeadGradients()
-    loss_spike: LossSpike = LossSpike()
-    loss_plateau: LossPlateau = LossPlateau()
-    rank_mismatch: RankMismatch = RankMismatch()
-    straggler: Straggler = Straggler()
-    iteration_time_spike: IterationTimeSpike = IterationTimeSpike()
-    throughput_drop: ThroughputDrop = ThroughputDrop()
-    lr_zero: LrZero = LrZero()
-    loss_scale_collapse: LossScaleCollapse = LossScaleCollapse()
-    num_zeros: NumZeros = NumZeros()
-    gpu_temperature: GpuTemperature = GpuTemperature()
-    gpu_throttle: GpuThrottle = GpuThrottle()
-    gpu_underutilized: GpuUnderutilized = GpuUnderutilized()
-    gpu_memory_low: GpuMemoryLow = GpuMemoryLow()
-    moe_aux_loss: MoeAuxLoss = MoeAuxLoss()
-    moe_z_loss: MoeZLoss = MoeZLoss()
-    moe_expert_utilization: MoeExpertUtilization = MoeExpertUtilization()
-    moe_load_imbalance: MoeLoadImbalance = MoeLoadImbalance()
-    stalled: Stalled = Stalled()
+
+Rules = create_model("Rules", __base__=_RulesBase,
+                     **{name: (cls, Field(default_factory=cls)) for name, cls in RULE_CONFIGS.items()})
 
 
 class AlertsConfig(BaseModel):
@@ -212,7 +306,7 @@ class AlertsConfig(BaseModel):
     grafana_timeout_s: float = Field(5.0, gt=0)
     grafana_group_id: str = "trainmon-alerts-grafana"
 
-    rules: Rules = Rules()
+    rules: Rules = Field(default_factory=Rules)
 
 
 RULE_NAMES = tuple(Rules.model_fields)

@@ -14,47 +14,62 @@ from ...schemas import AlertRecord, Record
 from .config import AlertsConfig
 from .incidents import IncidentBook
 from .ranks import RankMismatchRule, StalledRule, StragglerRule, TickRule
-from .rules import (DeadGradientsRule, ExplodingGradRule, GpuMemoryLowRule, GpuTemperatureRule,
-                    GpuThrottleRule, GpuUnderutilizedRule, GradSpikeRule, IterationTimeSpikeRule,
-                    LossPlateauRule, LossScaleCollapseRule, LossSpikeRule, LrZeroRule,
-                    MoeAuxLossRule, MoeExpertUtilizationRule, MoeLoadImbalanceRule, MoeZLossRule,
-                    NonFiniteRule, NumZerosRule, ThroughputDropRule)
+from .rules import (EvalDivergenceRule, EvalLossSpikeRule, ExplodingGradRule, FrozenGradNormRule,
+                    FrozenLossRule, GpuTemperatureRule, GpuThrottleRule, GradSpikeRule,
+                    IterationTimeSpikeRule, LossDivergenceRule, LossPlateauRule, LossScaleCollapseRule,
+                    LossSpikeRule, LrZeroRule, MoeAuxLossRule, MoeZLossRule, NonFiniteRule,
+                    RunFailedRule, SkippedIterationsRule, ThresholdRule, ThroughputDropRule)
 from .state import RunState
+from .thresholds import THRESHOLD_RULES
 
+# Every rule: the classes with real logic, then one ThresholdRule per entry of
+# thresholds.THRESHOLD_RULES (rules as data). The order is config.RULE_CONFIGS's.
 RULE_CLASSES = {
-    "grad_spike": GradSpikeRule,
     "non_finite": NonFiniteRule,
+    "grad_spike": GradSpikeRule,
     "exploding_grad": ExplodingGradRule,
-    "dead_gradients": DeadGradientsRule,
+    "frozen_grad_norm": FrozenGradNormRule,
     "loss_spike": LossSpikeRule,
+    "loss_divergence": LossDivergenceRule,
     "loss_plateau": LossPlateauRule,
-    "rank_mismatch": RankMismatchRule,
-    "straggler": StragglerRule,
+    "frozen_loss": FrozenLossRule,
+    "eval_loss_spike": EvalLossSpikeRule,
+    "eval_divergence": EvalDivergenceRule,
+    "loss_scale_collapse": LossScaleCollapseRule,
+    "skipped_iterations": SkippedIterationsRule,
+    "lr_zero": LrZeroRule,
     "iteration_time_spike": IterationTimeSpikeRule,
     "throughput_drop": ThroughputDropRule,
-    "lr_zero": LrZeroRule,
-    "loss_scale_collapse": LossScaleCollapseRule,
-    "num_zeros": NumZerosRule,
+    "straggler": StragglerRule,
+    "rank_mismatch": RankMismatchRule,
+    "stalled": StalledRule,
+    "run_failed": RunFailedRule,
     "gpu_temperature": GpuTemperatureRule,
     "gpu_throttle": GpuThrottleRule,
-    "gpu_underutilized": GpuUnderutilizedRule,
-    "gpu_memory_low": GpuMemoryLowRule,
     "moe_aux_loss": MoeAuxLossRule,
     "moe_z_loss": MoeZLossRule,
-    "moe_expert_utilization": MoeExpertUtilizationRule,
-    "moe_load_imbalance": MoeLoadImbalanceRule,
-    "stalled": StalledRule,
+    **{spec.name: ThresholdRule for spec in THRESHOLD_RULES},
 }
-INPUT_KINDS = ("step", "moe", "gpu", "run")  # the record kinds the rules read
+INPUT_KINDS = ("step", "eval", "moe", "gpu", "run")  # the record kinds the rules read
+SILENCE_RULES = ("stalled",)  # stay open when a silent run is forgotten: it is still silent
 MAX_TOMBSTONES = 10_000
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: the rules' own state changed shape (robust baselines)
+
+
+def _add(out: list, found) -> None:
+    if found:
+        if isinstance(found, list):
+            out.extend(found)
+        else:
+            out.append(found)
 
 
 class AlertEngine:
     def __init__(self, config: AlertsConfig):
         self.config = config
         self.book = IncidentBook(config.rate_limit_per_minute,
-                                 whole_run_rules=[n for n, c in RULE_CLASSES.items() if c.whole_run])
+                                 whole_run_rules=[n for n, c in RULE_CLASSES.items() if c.whole_run],
+                                 lasting_rules=[n for n, c in RULE_CLASSES.items() if c.lasting])
         self.rules = {name: cls(name, getattr(config.rules, name), self.book)
                       for name, cls in RULE_CLASSES.items() if getattr(config.rules, name).enabled}
         self._by_kind: dict[str, list] = defaultdict(list)
@@ -85,31 +100,30 @@ class AlertEngine:
         kind = record.kind
         t = record.time.timestamp()
         run = self.runs.get(record.run_id)
+        out: list[AlertRecord] = []
         if run is None:
             ended = self.ended_runs.get(record.run_id)
             if ended is not None and t <= ended:
                 return []
             run = self.runs[record.run_id] = RunState(record.run_id, record.world_size)
+            if record.run_id in self.book.by_run:  # back after its end or a long silence
+                out.extend(self._restarted(record, t, "records again after its end"))
         rs = run.ranks.get(record.rank)
         if rs is None:
             rs = run.rank(record.rank, record.host, record.world_size)
         if t > run.clock:
             run.clock = t
         if kind == "run":
-            return self._lifecycle(record, t, run, rs)
+            out.extend(self._lifecycle(record, t, run, rs))
+            return out
         if rs.ended and t > rs.ended_at:
             run.set_ended(rs, False)  # records after its end: the rank is back (resumed)
             run.pending_ends.discard(rs.rank)
         if kind == "step":
-            run.on_step(rs, record.step, t, record.duration_ms, t if received is None else received)
-        out: list[AlertRecord] = []
+            run.on_step(rs, record.step, t, record.duration_ms, t if received is None else received,
+                        record.total_steps)
         for rule in self._by_kind.get(kind, ()):
-            found = rule.observe(record, t, run, rs)
-            if found:
-                if isinstance(found, list):
-                    out.extend(found)
-                else:
-                    out.append(found)
+            _add(out, rule.observe(record, t, run, rs))
         return out
 
     def tick(self, now: float | None = None) -> list[AlertRecord]:
@@ -125,14 +139,15 @@ class AlertEngine:
             wall = None
             if now is not None:
                 if now - run.clock > cfg.live_run_max_age_s:
+                    # Its windows go; a stall stays open (the run is still silent) until the
+                    # run reports again or ends.
                     out.extend(self._forget_run(run, run.clock + cfg.live_run_max_age_s,
-                                                f"no records for {cfg.live_run_max_age_s / 3600:g} h"))
+                                                f"no records for {cfg.live_run_max_age_s / 3600:g} h",
+                                                keep=SILENCE_RULES))
                     continue
                 wall = now - cfg.wall_clock_slack_s
             for rule in self._tick_rules:
-                found = rule.tick(run, wall)
-                if found:
-                    out.append(found)
+                _add(out, rule.tick(run, wall))
         return out
 
     def _lifecycle(self, record, t: float, run: RunState, rs) -> list[AlertRecord]:
@@ -141,14 +156,24 @@ class AlertEngine:
         if record.event == "start":
             run.set_ended(rs, False)
             run.pending_ends.discard(rs.rank)
-            return []
+            return self._restarted(record, t, "started again")
         # Other topics may still hold this rank's last records: the end takes effect on
         # the next tick, which the service runs only once every partition is read.
         run.set_ended(rs, True)
         rs.ended_at = t
         run.pending_ends.add(rs.rank)
         run.end_status = record.status
-        return []
+        out: list[AlertRecord] = []
+        for rule in self._by_kind.get("run", ()):
+            _add(out, rule.observe(record, t, run, rs))
+        return out
+
+    def _restarted(self, record, t: float, why: str) -> list[AlertRecord]:
+        """A run that failed (or went silent) reports again: those incidents resolve."""
+        if record.run_id not in self.book.by_run:
+            return []
+        step = getattr(record, "step", None)
+        return self.book.resolve_rules(record.run_id, self.book.lasting_rules, t, step, f"the run {why}")
 
     def _apply_ends(self, run: RunState) -> list[AlertRecord]:
         out: list[AlertRecord] = []
@@ -161,8 +186,8 @@ class AlertEngine:
             out.extend(self._forget_run(run, end, f"run ended ({run.end_status})"))
         return out
 
-    def _forget_run(self, run: RunState, t: float, reason: str) -> list[AlertRecord]:
-        out = self.book.end_run(run.run_id, t, run.max_step if run.max_step >= 0 else None, reason)
+    def _forget_run(self, run: RunState, t: float, reason: str, keep=()) -> list[AlertRecord]:
+        out = self.book.end_run(run.run_id, t, run.max_step if run.max_step >= 0 else None, reason, keep)
         del self.runs[run.run_id]
         self.ended_runs[run.run_id] = max(run.clock, t)
         while len(self.ended_runs) > MAX_TOMBSTONES:

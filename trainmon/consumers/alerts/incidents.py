@@ -19,7 +19,7 @@ import hashlib
 import socket
 from collections import deque
 from datetime import datetime, timezone
-from typing import Iterable
+from typing import Callable, Iterable
 
 from ...schemas import AlertRecord
 from .config import RuleConfig
@@ -27,6 +27,7 @@ from .config import RuleConfig
 UTC = timezone.utc
 WHOLE_RUN = -1  # rank key of observations made for the run as a whole (mismatch, stall)
 Key = tuple  # (rule, run_id, subject)
+SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2}
 
 
 def incident_id(run_id: str, rule: str, subject: str, ordinal: int) -> str:
@@ -78,9 +79,13 @@ class KeyState:
 
 
 class IncidentBook:
-    def __init__(self, rate_limit_per_minute: int, whole_run_rules: Iterable[str] = ()):
+    def __init__(self, rate_limit_per_minute: int, whole_run_rules: Iterable[str] = (),
+                 lasting_rules: Iterable[str] = ()):
         self.rate_limit = rate_limit_per_minute
         self.whole_run_rules = set(whole_run_rules)
+        # Rules whose incidents outlive the run's end (a failed run stays failed until it
+        # starts again).
+        self.lasting_rules = frozenset(lasting_rules)
         self.keys: dict[Key, KeyState] = {}
         self.by_run: dict[str, set[Key]] = {}
         self.fired: dict[str, deque[float]] = {}
@@ -93,7 +98,13 @@ class IncidentBook:
     def bad(self, cfg: RuleConfig, rule: str, run_id: str, subject: str, rank_key: int, *,
             step: int | None, time: float, value: float | None, threshold: float | None,
             message: str, world_size: int, host: str, ranks: list[int] | None = None,
-            check_stale: bool = True) -> AlertRecord | None:
+            check_stale: bool = True, severity: str | None = None, fire_now: bool = False,
+            escalates: Callable[[AlertRecord], bool] | None = None) -> AlertRecord | list[AlertRecord] | None:
+        """A bad observation. ``severity`` overrides the rule's for this observation;
+        ``fire_now`` fires without waiting for ``fire_after`` / ``fire_after_s`` (an
+        order-of-magnitude jump); ``escalates(open alert)`` says whether this observation is
+        much worse than the one the open incident fired with: then the open incident
+        resolves as superseded and a new one fires (a higher severity escalates too)."""
         key = (rule, run_id, subject)
         ks = self.keys.get(key)
         if ks is None:
@@ -110,26 +121,59 @@ class IncidentBook:
         if st.since is None:
             st.since = time
         ranks = [rank_key] if ranks is None else ranks
+        severity = severity or cfg.severity
         if inc is not None:
             inc.bad.add(rank_key)
             inc.ranks.update(ranks)
+            if self.emit and (SEVERITY_RANK[severity] > SEVERITY_RANK[inc.alert.severity]
+                              or (escalates is not None and escalates(inc.alert))):
+                return self._escalate(ks, inc, rule, run_id, subject, rank_key, step=step, time=time,
+                                      value=value, threshold=threshold, message=message,
+                                      world_size=world_size, host=host, ranks=ranks, severity=severity)
             return None
-        if not self.emit or st.bad < cfg.fire_after or time - st.since < cfg.fire_after_s:
+        if not self.emit:
+            return None
+        if not fire_now and (st.bad < cfg.fire_after or time - st.since < cfg.fire_after_s):
             return None
         if ks.closed_at is not None and time - ks.closed_at < cfg.cooldown_s:
             return None
         if not self._within_rate(run_id, time):
             self.suppressed += 1
             return None
+        alert = self._fire(ks, rule, run_id, subject, step=step, time=time, value=value,
+                           threshold=threshold, message=message, world_size=world_size, host=host,
+                           ranks=ranks, severity=severity)
+        ks.open.bad = {rank_key}
+        return alert
+
+    def _fire(self, ks: KeyState, rule: str, run_id: str, subject: str, *, step, time, value,
+              threshold, message, world_size, host, ranks, severity) -> AlertRecord:
         iid = incident_id(run_id, rule, subject, ks.ordinal + 1)
         alert = AlertRecord(
             run_id=run_id, rank=ranks[0] if ranks else 0, world_size=world_size, host=host,
-            time=_dt(time), event_id=event_id(iid, "firing"), rule=rule, severity=cfg.severity,
+            time=_dt(time), event_id=event_id(iid, "firing"), rule=rule, severity=severity,
             state="firing", incident_id=iid, ranks=sorted(ranks), step=step, value=value,
             threshold=threshold, message=message)
         self.apply(alert)
-        ks.open.bad = {rank_key}
         return alert
+
+    def _escalate(self, ks: KeyState, inc: Incident, rule: str, run_id: str, subject: str,
+                  rank_key: int, *, step, time, value, threshold, message, world_size, host, ranks,
+                  severity) -> list[AlertRecord] | None:
+        if not self._within_rate(run_id, time):
+            self.suppressed += 1
+            return None
+        old = inc.alert
+        bad, involved = set(inc.bad), set(inc.ranks) | set(ranks)
+        resolved = self._resolve(ks, inc, step, time, value, f"escalated, superseded by #{ks.ordinal + 1}")
+        was = f"{old.value:.4g}" if old.value is not None else old.severity
+        where = f" at step {old.step}" if old.step is not None else ""
+        fired = self._fire(ks, rule, run_id, subject, step=step, time=time, value=value,
+                           threshold=threshold, world_size=world_size, host=host,
+                           ranks=sorted(involved), severity=severity,
+                           message=f"{message} [escalated from {was}{where}, incident #{ks.ordinal}]")
+        ks.open.bad = bad | {rank_key}
+        return [resolved, fired]
 
     def good(self, cfg: RuleConfig, rule: str, run_id: str, subject: str, rank_key: int, *,
              step: int | None, time: float, value: float | None = None,
@@ -160,10 +204,13 @@ class IncidentBook:
     # -- run lifecycle ------------------------------------------------------------------
 
     def end_rank(self, run_id: str, rank: int, time: float, step: int | None) -> list[AlertRecord]:
-        """A rank finished: it is no longer bad, and its own incidents resolve."""
+        """A rank finished: it is no longer bad, and its own incidents resolve (those of
+        the lasting rules, a failed run, stay open)."""
         out = []
         own = (f"rank{rank}", f"rank{rank}/")
         for key in list(self.by_run.get(run_id, ())):
+            if key[0] in self.lasting_rules:
+                continue
             ks = self.keys[key]
             ks.streaks.pop(rank, None)
             inc = ks.open
@@ -177,12 +224,30 @@ class IncidentBook:
                 out.append(self._resolve(ks, inc, step, time, None, f"rank {rank} finished"))
         return out
 
-    def end_run(self, run_id: str, time: float, step: int | None, reason: str) -> list[AlertRecord]:
+    def end_run(self, run_id: str, time: float, step: int | None, reason: str,
+                keep: Iterable[str] = ()) -> list[AlertRecord]:
+        """The run is gone: its incidents resolve, except those of the lasting rules and
+        of the rules in ``keep`` (a stall when the run is forgotten for its silence)."""
         out = []
+        keep = self.lasting_rules.union(keep)
         for key in list(self.by_run.get(run_id, ())):
             ks = self.keys[key]
+            if key[0] in keep:
+                continue
             ks.streaks.clear()
             if ks.open is not None and self.emit:
+                out.append(self._resolve(ks, ks.open, step, time, None, reason))
+        return out
+
+    def resolve_rules(self, run_id: str, rules: Iterable[str], time: float, step: int | None,
+                      reason: str) -> list[AlertRecord]:
+        """Resolve the open incidents of ``rules`` of a run (a failed run that restarted)."""
+        out = []
+        rules = set(rules)
+        for key in list(self.by_run.get(run_id, ())):
+            ks = self.keys[key]
+            if key[0] in rules and ks.open is not None and self.emit:
+                ks.streaks.clear()
                 out.append(self._resolve(ks, ks.open, step, time, None, reason))
         return out
 

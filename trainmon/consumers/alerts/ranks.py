@@ -141,13 +141,16 @@ class RankMismatchRule(TickRule):
 
 
 class StalledRule(TickRule):
-    """No rank of a live run reported a new step for ``factor`` x its median step time."""
+    """No rank of a live run reported a new step for ``factor`` x its median step time, and
+    no run end came: the job hangs, or died without a word (kill -9, a lost node). It stays
+    open while the run is silent, also once the engine forgets the run's windows after
+    ``live_run_max_age_s``; a new step or the run's end resolves it."""
 
     def tick(self, run, wall):
         now = run.clock if wall is None else max(run.clock, wall)
         active = run.active_ranks()
-        if not active or run.last_progress is None:
-            return self.good_run(run, now)
+        if not active or run.last_progress is None or run.finished_steps:
+            return self.good_run(run, now)  # a run at its planned last step is done, not stalled
         limit = max(self.cfg.min_s, self.cfg.factor * run.step_seconds.median)
         idle = now - run.last_progress
         if idle <= limit or (wall is not None and wall < run.last_progress_received):
@@ -156,7 +159,8 @@ class StalledRule(TickRule):
                         key=lambda rs: (rs.last_step, rs.rank))
         return self.bad_run(run, behind, step=run.max_step, time=now, value=idle, threshold=limit,
                             message=(f"run {run.run_id} stalled: no new step for {idle:.0f} s "
-                                     f"(limit {limit:.0f} s); {rank_summary(active, behind)}"))
+                                     f"(limit {limit:.0f} s) and no run end: hung, or died without "
+                                     f"saying so; {rank_summary(active, behind)}"))
 
 
 def rank_summary(active: list[RankState], named: list[RankState], max_listed: int = 16) -> str:

@@ -3,7 +3,14 @@
 A rule keeps what it needs per rank (a rolling window) in ``rank.slots[rule.name]`` and
 tells the incident book whether the record is bad or healthy; the book decides whether
 that fires or resolves an incident. Cross-rank rules (straggler, rank mismatch, stall)
-live in ranks.py.
+live in ranks.py; plain threshold rules are data (thresholds.py) run by ``ThresholdRule``.
+
+Rules that compare a value with the run's own history (``BaselineRule``) judge from the
+first records on: the median of what there is (and, from ``min_samples`` points, a robust
+z-score from its MAD), with a guard for order-of-magnitude jumps that needs a single
+earlier record. A value judged bad is kept out of the baseline, so a spike or a slow
+stretch never becomes the new normal: the incident stays open while the condition holds.
+Messages say how much history the verdict had.
 
 A field the record does not carry (None: the framework did not log it) is no data: the
 rule says nothing about that record, neither bad nor healthy, and keeps its window as it
@@ -13,28 +20,34 @@ was. NaN is data (logged, not finite): the non-finite rule judges it, the others
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Any
 
 from ...schemas import AlertRecord
 from .config import RuleConfig
 from .incidents import IncidentBook
 from .state import RankState, RunState
-from .stats import RollingMean, RollingMedian, TwoHalves
+from .stats import RollingMedian, TwoHalves
+from .thresholds import BY_NAME, OPS
 
 RUN = "run"  # subject of an incident that concerns the whole run
+OP_WORDS = {">": "above", ">=": "at or above", "<": "below", "<=": "at or below", "==": "is"}
 
 
 class Rule:
     name: str = ""
     kinds: tuple[str, ...] = ()
     whole_run = False  # observed for the run as a whole (tick rules), not per rank
+    lasting = False  # its incidents outlive the run's end (resolved when the run starts again)
+    worse_when_higher = True  # for escalations: which way a value gets worse
 
     def __init__(self, name: str, cfg: RuleConfig, book: IncidentBook):
         self.name = name
         self.cfg = cfg
         self.book = book
 
-    def observe(self, record, t: float, run: RunState, rank: RankState) -> AlertRecord | None:
+    def observe(self, record, t: float, run: RunState, rank: RankState):
+        """An AlertRecord, a list of them, or None."""
         raise NotImplementedError
 
     # Per-rank state: created lazily, dumped to / loaded from JSON-able values.
@@ -55,10 +68,13 @@ class Rule:
         return data
 
     def bad(self, run: RunState, rank: RankState, *, step, t, value, threshold, message,
-            subject: str = RUN) -> AlertRecord | None:
+            subject: str = RUN, severity: str | None = None, fire_now: bool = False,
+            check_stale: bool = True):
         return self.book.bad(self.cfg, self.name, run.run_id, subject, rank.rank, step=step, time=t,
                              value=value, threshold=threshold, message=message,
-                             world_size=rank.world_size, host=rank.host)
+                             world_size=rank.world_size, host=rank.host, severity=severity,
+                             fire_now=fire_now, check_stale=check_stale,
+                             escalates=self._escalation(value))
 
     def good(self, run: RunState, rank: RankState, *, step, t, value=None,
              subject: str = RUN) -> AlertRecord | None:
@@ -67,111 +83,361 @@ class Rule:
         return self.book.good(self.cfg, self.name, run.run_id, subject, rank.rank, step=step,
                               time=t, value=value)
 
+    def _escalation(self, value):
+        """Whether ``value`` is ``escalate_factor`` times worse than an open incident's."""
+        factor = self.cfg.escalate_factor
+        if factor is None or value is None or not (0 < value < math.inf):
+            return None
+        higher = self.worse_when_higher
+
+        def escalates(alert: AlertRecord) -> bool:
+            fired = alert.value
+            if fired is None or not (0 < fired < math.inf):
+                return False
+            return value >= factor * fired if higher else value <= fired / factor
+        return escalates
+
 
 def _g(x: float) -> str:
     return f"{x:.4g}"
 
 
-# -- step records ------------------------------------------------------------------------
+def history(n: int) -> str:
+    """How much history a verdict had, for the message."""
+    return "its 1 earlier record" if n == 1 else f"its last {n} records"
 
-class WindowRule(Rule):
-    """Compares a step field with a rolling statistic of its own recent values."""
+
+# -- baselines of the run's own values ------------------------------------------------------
+
+class BaselineRule(Rule):
+    """A field judged against the median of its own recent accepted values (the run's own
+    scale). ``judge`` returns None (no verdict), False (healthy) or (limit, detail,
+    fire_now). Values before ``min_samples`` all enter the window (a baseline still
+    forming is no scale to hold a value out of); after that a bad one does not."""
 
     kinds = ("step",)
-    window_type = RollingMedian
+    field, what = "", ""
+    skip_inf = True  # an infinite value is not judged (non_finite's business)
+
+    def value(self, r):
+        return getattr(r, self.field)
 
     def new_state(self):
-        return self.window_type(self.cfg.window)
+        return RollingMedian(self.cfg.window)
 
     def dump_state(self, state):
         return state.dump()
 
     def load_state(self, data):
-        return self.window_type(self.cfg.window, data)
+        return RollingMedian(self.cfg.window, data)
 
-
-class BaselineRule(WindowRule):
-    """Judges a step field against a limit set by a baseline (median or mean) of its recent
-    values, then adds the value to the window. A rule gives the ``limit`` for a baseline and
-    the ``detail`` of its alert (the text after "<what> on run R, rank N, step S: ")."""
-
-    field, what, baseline = "", "", "median"
-    above = True  # which side of the limit is bad
-    skip_non_finite = True  # a NaN or inf value is neither judged nor kept (NaN never is)
-    needs_positive_baseline = True  # a baseline <= 0 would make every value a spike: no verdict
+    @property
+    def forming(self) -> int:
+        return getattr(self.cfg, "min_samples", 3)
 
     def observe(self, r, t, run, rank):
-        value = getattr(r, self.field)
-        if value is None or math.isnan(value) or (self.skip_non_finite and not math.isfinite(value)):
+        value = self.value(r)
+        if value is None or math.isnan(value) or (self.skip_inf and math.isinf(value)):
             return None
-        window = rank.slot(self)
-        out = None
-        if len(window) >= self.cfg.min_samples:
-            base = getattr(window, self.baseline)
-            if base > 0 or not self.needs_positive_baseline:
-                limit = self.limit(base)
-                if self.breached(value, base, limit):
-                    out = self.bad(run, rank, step=r.step, t=t, value=value, threshold=limit, message=(
-                        f"{self.what} on run {run.run_id}, rank {rank.rank}, step {r.step}: "
-                        f"{self.detail(value, base)}"))
-                else:
-                    out = self.good(run, rank, step=r.step, t=t, value=value)
-        window.push(value)
-        return out
+        return self.judge_into(rank.slot(self), value, r, t, run, rank)
 
-    def breached(self, value, base, limit) -> bool:
-        return (value > limit) if self.above else (value < limit)
+    def judge_into(self, window: RollingMedian, value: float, r, t, run, rank):
+        verdict = self.judge(value, window) if len(window) else None
+        if not verdict:
+            if math.isfinite(value):
+                window.push(value)
+            if verdict is None:
+                return None
+            return self.good(run, rank, step=r.step, t=t, value=value)
+        if len(window) < self.forming and math.isfinite(value):
+            window.push(value)
+        limit, detail, fire_now = verdict
+        return self.bad(run, rank, step=r.step, t=t, value=value, threshold=limit, fire_now=fire_now,
+                        message=f"{self.what} on run {run.run_id}, rank {rank.rank}, step {r.step}: {detail}")
+
+    def judge(self, value: float, window: RollingMedian):
+        raise NotImplementedError
 
 
 class GradSpikeRule(BaselineRule):
-    window_type, baseline = RollingMean, "mean"
     field, what = "norm", "grad norm spike"
 
-    def limit(self, mean):
-        return self.cfg.factor * mean
+    def judge(self, norm, w):
+        cfg, med, n = self.cfg, w.median, len(w)
+        if med <= 0:
+            return None
+        ratio = norm / med
+        if ratio >= cfg.jump:
+            return cfg.jump * med, (f"{_g(norm)} is {ratio:.1f}x the median {_g(med)} of {history(n)} "
+                                    f"(an order-of-magnitude jump: limit {cfg.jump:g}x)"), False
+        if n >= cfg.min_samples and ratio >= cfg.factor:
+            z = w.robust_z(norm)
+            if z >= cfg.min_z:
+                return cfg.factor * med, (f"{_g(norm)} is {ratio:.1f}x the median {_g(med)} of "
+                                          f"{history(n)}, robust z {z:.1f} (limits {cfg.factor:g}x "
+                                          f"and z {cfg.min_z:g})"), False
+        return False
 
-    def detail(self, norm, mean):
-        return (f"{_g(norm)} is {norm / mean:.1f}x its moving average {_g(mean)} "
-                f"(limit {self.cfg.factor:g}x)")
+
+class ExplodingGradRule(BaselineRule):
+    field, what = "norm", "exploding gradients"
+
+    def judge(self, norm, w):
+        med = w.median
+        if med <= 0:
+            return None
+        if norm >= self.cfg.factor * med:
+            return self.cfg.factor * med, (
+                f"grad norm {_g(norm)} is {norm / med:.0f}x the run's own scale (median {_g(med)} of "
+                f"{history(len(w))}) on {self.cfg.fire_after} records in a row (limit "
+                f"{self.cfg.factor:g}x)"), False
+        return False
 
 
 class LossSpikeRule(BaselineRule):
     field, what = "loss", "loss spike"
 
-    def limit(self, median):
-        return (1.0 + self.cfg.rise) * median
-
-    def detail(self, loss, median):
-        return (f"{_g(loss)} is {100 * (loss / median - 1):.0f}% above the recent median "
-                f"{_g(median)} (limit +{100 * self.cfg.rise:g}%)")
+    def judge(self, loss, w):
+        cfg, med, n = self.cfg, w.median, len(w)
+        if med <= 0:
+            return None  # a loss that can be negative has no ratio to judge
+        ratio = loss / med
+        if ratio >= 1.0 + cfg.jump:
+            return (1.0 + cfg.jump) * med, (
+                f"{_g(loss)} is {ratio:.1f}x the median {_g(med)} of {history(n)} (a jump: limit "
+                f"+{100 * cfg.jump:g}%)"), True
+        if n >= cfg.min_samples and ratio >= 1.0 + cfg.rise:
+            z = w.robust_z(loss)
+            if z >= cfg.min_z:
+                return (1.0 + cfg.rise) * med, (
+                    f"{_g(loss)} is {100 * (ratio - 1):.0f}% above the median {_g(med)} of "
+                    f"{history(n)}, robust z {z:.1f}, on {cfg.fire_after} records in a row (limits "
+                    f"+{100 * cfg.rise:g}% and z {cfg.min_z:g})"), False
+        return False
 
 
 class IterationTimeSpikeRule(BaselineRule):
     field, what = "duration_ms", "iteration time spike"
-    skip_non_finite = False  # an inf duration is judged (a NaN or absent one is not)
-    needs_positive_baseline = False  # a zero median (all-zero durations) reports healthy
+    skip_inf = False  # an infinite step time is judged
 
-    def limit(self, median):
-        return self.cfg.factor * median
-
-    def breached(self, duration, median, limit):
-        return median > 0 and duration > limit
-
-    def detail(self, duration, median):
-        return (f"{duration:.0f} ms is {duration / median:.1f}x the recent median "
-                f"{median:.0f} ms (limit {self.cfg.factor:g}x)")
+    def judge(self, duration, w):
+        med, n = w.median, len(w)
+        if n < self.cfg.min_samples:
+            return None
+        if med <= 0:
+            return False  # all-zero durations: nothing to compare with, healthy
+        if duration > self.cfg.factor * med:
+            return self.cfg.factor * med, (
+                f"{duration:.0f} ms is {duration / med:.1f}x the median {med:.0f} ms of {history(n)} "
+                f"before the slow steps, on {self.cfg.fire_after} steps in a row (limit "
+                f"{self.cfg.factor:g}x)"), False
+        return False
 
 
 class ThroughputDropRule(BaselineRule):
-    field, what, above = "tokens_per_second", "throughput drop", False
-    needs_positive_baseline = False  # a zero median gives a limit of 0: judged, so healthy
+    """Throughput by what the job logs: tokens/s, else TFLOP/s per GPU, else samples/s (the
+    global batch over the step time). Step time alone is not throughput: a batch-size
+    schedule makes steps slower while the job goes faster (iteration_time_spike watches it).
+    Each measure, and each batch size, has its own baseline."""
 
-    def limit(self, median):
-        return (1.0 - self.cfg.drop) * median
+    what = "throughput drop"
+    worse_when_higher = False
 
-    def detail(self, tps, median):
-        return (f"{tps:,.0f} tokens/s is {100 * (1 - tps / median):.0f}% below the recent "
-                f"median {median:,.0f} (limit -{100 * self.cfg.drop:g}%)")
+    @staticmethod
+    def measure(r) -> tuple[str, float] | None:
+        if r.tokens_per_second is not None:
+            return "tokens/s", r.tokens_per_second
+        if r.tflops_per_gpu is not None:
+            return "TFLOP/s per GPU", r.tflops_per_gpu
+        ms = r.duration_ms
+        if r.global_batch_size and ms is not None and 0 < ms < math.inf:
+            return f"samples/s (global batch {r.global_batch_size})", r.global_batch_size * 1000.0 / ms
+        return None
+
+    def new_state(self):
+        return {}
+
+    def dump_state(self, state):
+        return {unit: w.dump() for unit, w in state.items()}
+
+    def load_state(self, data):
+        return {unit: RollingMedian(self.cfg.window, values) for unit, values in data.items()}
+
+    def observe(self, r, t, run, rank):
+        got = self.measure(r)
+        if got is None:
+            return None
+        unit, value = got
+        if not math.isfinite(value):
+            return None
+        windows = rank.slot(self)
+        window = windows.get(unit)
+        if window is None:
+            window = windows[unit] = RollingMedian(self.cfg.window)
+        self.unit = unit
+        return self.judge_into(window, value, r, t, run, rank)
+
+    def judge(self, value, w):
+        med, n = w.median, len(w)
+        if n < self.cfg.min_samples or med <= 0:
+            return None
+        limit = (1.0 - self.cfg.drop) * med
+        if value < limit:
+            return limit, (f"{value:,.4g} {self.unit} is {100 * (1 - value / med):.0f}% below the "
+                           f"median {med:,.4g} of {history(n)} before the drop, for "
+                           f"{self.cfg.fire_after} records and {self.cfg.fire_after_s:g} s (limit "
+                           f"-{100 * self.cfg.drop:g}%)"), False
+        return False
+
+
+class EvalLossSpikeRule(BaselineRule):
+    kinds = ("eval",)
+    field, what = "loss", "eval loss spike"
+
+    def judge(self, loss, w):
+        med, n = w.median, len(w)
+        if n < self.cfg.min_samples or med <= 0:
+            return None
+        limit = (1.0 + self.cfg.rise) * med
+        if loss >= limit:
+            return limit, (f"eval loss {_g(loss)} is {100 * (loss / med - 1):.0f}% above the median "
+                           f"{_g(med)} of its last {n} evals (limit +{100 * self.cfg.rise:g}%)"), False
+        return False
+
+
+class MoeRouterLossRule(BaselineRule):
+    kinds = ("moe",)
+
+    def judge(self, value, w):
+        med, n = w.median, len(w)
+        if n < self.cfg.min_samples or med <= 0:
+            return None
+        limit = (1.0 + self.cfg.rise) * med
+        if value >= limit:
+            return limit, (f"{_g(value)} is {100 * (value / med - 1):.0f}% above the median {_g(med)} "
+                           f"of {history(n)}, on {self.cfg.fire_after} records in a row (limit "
+                           f"+{100 * self.cfg.rise:g}%)"), False
+        return False
+
+
+class MoeAuxLossRule(MoeRouterLossRule):
+    field, what = "aux_loss", "MoE aux (load-balancing) loss rising"
+
+
+class MoeZLossRule(MoeRouterLossRule):
+    field, what = "z_loss", "MoE router z-loss rising"
+
+
+# -- trends and repeats ----------------------------------------------------------------------
+
+class DivergenceState:
+    __slots__ = ("halves", "best", "diverging")
+
+    def __init__(self, window: int, values=(), best=None, diverging=False):
+        self.halves = TwoHalves(window, values)
+        self.best = best
+        self.diverging = diverging
+
+
+class LossDivergenceRule(Rule):
+    """A sustained rise: the median of the newer half of the last ``window`` losses is
+    ``rise`` above the run's best such median and above the older half's. Medians make it
+    blind to single spikes, so it still sees a rise that follows an explosion. Once
+    diverging, it stays so until the loss comes back near its best or clearly falls."""
+
+    kinds = ("step",)
+
+    def new_state(self):
+        return DivergenceState(self.cfg.window)
+
+    def dump_state(self, st):
+        return [st.halves.dump(), st.best, st.diverging]
+
+    def load_state(self, data):
+        values, best, diverging = data
+        return DivergenceState(self.cfg.window, values, best, diverging)
+
+    def observe(self, r, t, run, rank):
+        loss = r.loss
+        if loss is None or not math.isfinite(loss):
+            return None
+        st = rank.slot(self)
+        st.halves.push(loss)
+        if not st.halves.full:
+            return None
+        older, newer = st.halves.older_median, st.halves.newer_median
+        if st.best is None or newer < st.best:
+            st.best = newer
+        best, rise = st.best, self.cfg.rise
+        if best <= 0:
+            return None
+        limit = (1.0 + rise) * best
+        if st.diverging:
+            st.diverging = newer >= limit and newer >= older * (1.0 - rise)
+        else:
+            st.diverging = newer >= limit and newer > older
+        if not st.diverging:
+            return self.good(run, rank, step=r.step, t=t, value=newer)
+        half = st.halves.half
+        return self.bad(run, rank, step=r.step, t=t, value=newer, threshold=limit, message=(
+            f"loss diverging on run {run.run_id}, rank {rank.rank}, step {r.step}: median "
+            f"{_g(newer)} over the last {half} records is {100 * (newer / best - 1):.0f}% above the "
+            f"run's best {_g(best)} (limit +{100 * rise:g}%) and not falling ({_g(older)} over "
+            f"the {half} before)"))
+
+
+class FrozenState:
+    __slots__ = ("step", "value", "count", "since")
+
+    def __init__(self, step=None, value=None, count=0, since=None):
+        self.step, self.value, self.count, self.since = step, value, count, since
+
+
+class FrozenValueRule(Rule):
+    """The same value, bit for bit, on ``repeats`` new steps in a row: a number that is no
+    longer computed (a stale logger, a frozen graph). Zero is left to the zero rules."""
+
+    kinds = ("step",)
+    field, label = "", ""
+
+    def new_state(self):
+        return FrozenState()
+
+    def dump_state(self, st):
+        return [st.step, st.value, st.count, st.since]
+
+    def load_state(self, data):
+        return FrozenState(*data)
+
+    def observe(self, r, t, run, rank):
+        value = getattr(r, self.field)
+        if value is None or not math.isfinite(value):
+            return None
+        st = rank.slot(self)
+        if st.step is not None and r.step == st.step:
+            return None  # the same step again (resent, or logged by several processes)
+        if value == 0.0:
+            st.step, st.value, st.count = r.step, None, 0
+            return None
+        if st.step is not None and r.step > st.step and value == st.value:
+            st.count += 1
+        else:
+            st.value, st.count, st.since = value, 1, r.step
+        st.step = r.step
+        if st.count < self.cfg.repeats:
+            return self.good(run, rank, step=r.step, t=t, value=value)
+        return self.bad(run, rank, step=r.step, t=t, value=value, threshold=float(self.cfg.repeats),
+                        message=(f"{self.label} frozen on run {run.run_id}, rank {rank.rank}: exactly "
+                                 f"{value!r} on {st.count} logged steps in a row, steps {st.since}-"
+                                 f"{r.step} (limit {self.cfg.repeats}): it is no longer computed"))
+
+
+class FrozenGradNormRule(FrozenValueRule):
+    field, label = "norm", "grad norm"
+
+
+class FrozenLossRule(FrozenValueRule):
+    field, label = "loss", "training loss"
 
 
 class NonFiniteRule(Rule):
@@ -191,35 +457,17 @@ class NonFiniteRule(Rule):
                             f"step {r.step}: {what}"))
 
 
-class ExplodingGradRule(Rule):
+class LossPlateauRule(Rule):
     kinds = ("step",)
 
-    def observe(self, r, t, run, rank):
-        norm, limit = r.norm, self.cfg.threshold
-        if norm is None or not math.isfinite(norm):
-            return None
-        if norm > limit:
-            return self.bad(run, rank, step=r.step, t=t, value=norm, threshold=limit, message=(
-                f"exploding gradients on run {run.run_id}, rank {rank.rank}, step {r.step}: "
-                f"grad norm {_g(norm)} > {_g(limit)}"))
-        return self.good(run, rank, step=r.step, t=t, value=norm)
+    def new_state(self):
+        return TwoHalves(self.cfg.window)
 
+    def dump_state(self, state):
+        return state.dump()
 
-class DeadGradientsRule(Rule):
-    kinds = ("step",)
-
-    def observe(self, r, t, run, rank):
-        if r.norm is None:
-            return None
-        if r.norm == 0.0:
-            return self.bad(run, rank, step=r.step, t=t, value=0.0, threshold=0.0, message=(
-                f"dead gradients on run {run.run_id}, rank {rank.rank}: grad norm is 0 at step "
-                f"{r.step} ({self.cfg.fire_after} steps in a row)"))
-        return self.good(run, rank, step=r.step, t=t, value=r.norm)
-
-
-class LossPlateauRule(WindowRule):
-    window_type = TwoHalves
+    def load_state(self, data):
+        return TwoHalves(self.cfg.window, data)
 
     def observe(self, r, t, run, rank):
         loss = r.loss
@@ -240,6 +488,159 @@ class LossPlateauRule(WindowRule):
         return self.good(run, rank, step=r.step, t=t, value=newer)
 
 
+class EvalState:
+    __slots__ = ("train", "best", "best_step", "train_at_best")
+
+    def __init__(self, window: int, train=(), best=None, best_step=None, train_at_best=None):
+        self.train = RollingMedian(window, train)
+        self.best, self.best_step, self.train_at_best = best, best_step, train_at_best
+
+
+class EvalDivergenceRule(Rule):
+    """Eval loss rising above its best while the training loss keeps falling: overfitting
+    (or an eval set that drifted from the training data)."""
+
+    kinds = ("step", "eval")
+
+    def new_state(self):
+        return EvalState(self.cfg.train_window)
+
+    def dump_state(self, st):
+        return [st.train.dump(), st.best, st.best_step, st.train_at_best]
+
+    def load_state(self, data):
+        return EvalState(self.cfg.train_window, *data)
+
+    def observe(self, r, t, run, rank):
+        loss = r.loss
+        if loss is None or not math.isfinite(loss):
+            return None
+        st = rank.slot(self)
+        if r.kind == "step":
+            st.train.push(loss)
+            return None
+        train = st.train.median if len(st.train) else None
+        if st.best is None or loss < st.best:
+            st.best, st.best_step, st.train_at_best = loss, r.step, train
+            return self.good(run, rank, step=r.step, t=t, value=loss)
+        if train is None or st.train_at_best is None or st.best <= 0:
+            return None
+        limit = (1.0 + self.cfg.rise) * st.best
+        if loss >= limit and train < st.train_at_best:
+            return self.bad(run, rank, step=r.step, t=t, value=loss, threshold=limit, message=(
+                f"eval loss rising while the training loss falls on run {run.run_id}, rank "
+                f"{rank.rank}, step {r.step}: eval {_g(loss)} is {100 * (loss / st.best - 1):.1f}% above "
+                f"its best {_g(st.best)} at step {st.best_step} (limit +{100 * self.cfg.rise:g}%, "
+                f"{self.cfg.fire_after} evals in a row) while the training loss fell from "
+                f"{_g(st.train_at_best)} to {_g(train)} (median of the last {len(st.train)} steps): "
+                f"overfitting?"))
+        return self.good(run, rank, step=r.step, t=t, value=loss)
+
+
+# -- fp16 loss scaling, skipped iterations ----------------------------------------------------
+
+class ScaleState:
+    __slots__ = ("fp16", "recent")
+
+    def __init__(self, fp16=False, recent=()):
+        self.fp16 = fp16
+        self.recent: deque = deque(tuple(x) for x in recent)  # (step, value)
+
+
+def _trim(recent: deque, step: int, window: int) -> None:
+    """Keep the entries of the last ``window`` iterations before ``step``, and always the
+    latest (a log interval longer than the window still compares with the record before)."""
+    if recent and step < recent[-1][0]:
+        recent.clear()  # the step count went back: a restart from a checkpoint
+    while len(recent) > 1 and recent[0][0] <= step - window:
+        recent.popleft()
+
+
+class LossScaleCollapseRule(Rule):
+    """fp16 dynamic loss scaling collapsing: repeated overflows halve the scale step after
+    step. Only a run whose loss scale was ever other than 1.0 is fp16: bf16 and fp32 runs
+    print a constant 1.0 (Megatron), which never alerts."""
+
+    kinds = ("step",)
+    worse_when_higher = False
+
+    def new_state(self):
+        return ScaleState()
+
+    def dump_state(self, st):
+        return [st.fp16, [list(x) for x in st.recent]]
+
+    def load_state(self, data):
+        return ScaleState(*data)
+
+    def observe(self, r, t, run, rank):
+        scale = r.loss_scale
+        if scale is None or math.isnan(scale):
+            return None
+        st = rank.slot(self)
+        if scale != 1.0:
+            st.fp16 = True
+        if not st.fp16:
+            return None
+        cfg = self.cfg
+        if r.step <= cfg.warmup_steps:
+            return None  # the scaler calibrates from its initial scale: skipped_iterations says so
+        _trim(st.recent, r.step, cfg.window_steps)
+        before = max((v for _, v in st.recent), default=None)
+        st.recent.append((r.step, scale))
+        if scale <= cfg.min_scale:
+            return self.bad(run, rank, step=r.step, t=t, value=scale, threshold=cfg.min_scale, message=(
+                f"fp16 loss scale collapsed on run {run.run_id}, rank {rank.rank}, step {r.step}: "
+                f"{scale:g} <= {cfg.min_scale:g} (repeated overflows)"))
+        if before is not None and before > 0 and scale <= before / cfg.drop_factor:
+            return self.bad(run, rank, step=r.step, t=t, value=scale, threshold=before / cfg.drop_factor,
+                            message=(f"fp16 loss scale collapsing on run {run.run_id}, rank {rank.rank}, "
+                                     f"step {r.step}: {scale:g} is {before / scale:.0f}x below {before:g} "
+                                     f"within the last {cfg.window_steps} iterations (limit "
+                                     f"{cfg.drop_factor:g}x: an overflow cascade)"))
+        return self.good(run, rank, step=r.step, t=t, value=scale)
+
+
+class SkippedIterationsRule(Rule):
+    """Iterations the optimizer skipped (fp16 overflows, NaN/inf gradients): Megatron's
+    ``skipped`` counter per logged interval, or 1 per skipped step."""
+
+    kinds = ("step",)
+
+    def new_state(self):
+        return deque()
+
+    def dump_state(self, recent):
+        return [list(x) for x in recent]
+
+    def load_state(self, data):
+        return deque(tuple(x) for x in data)
+
+    def observe(self, r, t, run, rank):
+        if r.skipped is None:
+            return None
+        cfg = self.cfg
+        recent = rank.slot(self)
+        if recent and recent[-1][0] == r.step:
+            recent.pop()  # the same step again
+        _trim(recent, r.step, cfg.window_steps)
+        recent.append((r.step, r.skipped))
+        warmup = r.step <= cfg.warmup_steps
+        # After the warm-up, its skipped iterations no longer count.
+        since = r.step - cfg.window_steps if warmup else max(r.step - cfg.window_steps, cfg.warmup_steps)
+        total = sum(n for s, n in recent if s > since)
+        if total < cfg.max_skipped:
+            return self.good(run, rank, step=r.step, t=t, value=float(total))
+        scale = f", loss scale {r.loss_scale:g}" if r.loss_scale is not None else ""
+        why = ("; at the start of the run: the fp16 loss scale calibrating (info)" if warmup
+               else ": overflows in a row (fp16) or non-finite gradients")
+        return self.bad(run, rank, step=r.step, t=t, value=float(total), threshold=float(cfg.max_skipped),
+                        severity="info" if warmup else None, message=(
+                            f"{total} iterations skipped on run {run.run_id}, rank {rank.rank} in "
+                            f"the last {cfg.window_steps} up to step {r.step} (limit {cfg.max_skipped}"
+                            f"{scale}){why}"))
+
+
 class LrZeroRule(Rule):
     kinds = ("step",)
 
@@ -255,35 +656,61 @@ class LrZeroRule(Rule):
         return self.good(run, rank, step=r.step, t=t, value=r.lr)
 
 
-class LossScaleCollapseRule(Rule):
-    kinds = ("step",)
+# -- run records ----------------------------------------------------------------------------
+
+class RunFailedRule(Rule):
+    """A run end with status failed (or aborted: warning), with its reason. The incident
+    stays open after the run's end and resolves when the run starts again."""
+
+    kinds = ("run",)
+    lasting = True
 
     def observe(self, r, t, run, rank):
-        scale = r.loss_scale
-        if scale is None:
+        if r.event != "end" or r.status not in ("failed", "aborted"):
             return None
-        if scale <= self.cfg.min_scale:
-            return self.bad(run, rank, step=r.step, t=t, value=scale, threshold=self.cfg.min_scale,
-                            message=(f"loss scale collapsed on run {run.run_id}, rank {rank.rank}, "
-                                     f"step {r.step}: {scale:g} <= {self.cfg.min_scale:g} "
-                                     f"(repeated fp16 overflows)"))
-        return self.good(run, rank, step=r.step, t=t, value=scale)
+        step = rank.last_step if rank.last_step is not None else (run.max_step if run.max_step >= 0 else None)
+        where = f"after step {step}" if step is not None else "before its first step"
+        reason = (r.reason or "no reason given")[:1000]
+        return self.bad(run, rank, step=step, t=t, value=None, threshold=None, check_stale=False,
+                        severity=None if r.status == "failed" else "warning", message=(
+                            f"run {run.run_id} {r.status} on rank {rank.rank} ({rank.host}) {where}: "
+                            f"{reason}"))
 
 
-class NumZerosRule(Rule):
-    kinds = ("step",)
+# -- threshold rules (thresholds.py) ----------------------------------------------------------
+
+class ThresholdRule(Rule):
+    """One entry of thresholds.THRESHOLD_RULES: ``<field> <op> <threshold>``."""
+
+    def __init__(self, name: str, cfg: RuleConfig, book: IncidentBook):
+        super().__init__(name, cfg, book)
+        self.spec = BY_NAME[name]
+        self.kinds = (self.spec.kind,)
+        self.op = OPS[self.spec.op]
 
     def observe(self, r, t, run, rank):
-        if r.num_zeros is None or not r.num_params:
+        spec = self.spec
+        value = spec.value(r)
+        if value is None or math.isnan(value):
             return None
-        fraction = r.num_zeros / r.num_params
-        if fraction > self.cfg.max_fraction:
-            return self.bad(run, rank, step=r.step, t=t, value=fraction,
-                            threshold=self.cfg.max_fraction, message=(
-                                f"{100 * fraction:.0f}% of gradients are zero on run {run.run_id}, "
-                                f"rank {rank.rank}, step {r.step} ({r.num_zeros:,} of "
-                                f"{r.num_params:,}; limit {100 * self.cfg.max_fraction:g}%)"))
-        return self.good(run, rank, step=r.step, t=t, value=fraction)
+        limit = spec.threshold if spec.param is None else getattr(self.cfg, spec.param)
+        subject = f"rank{rank.rank}/gpu{r.id}" if spec.per_gpu else RUN
+        if not self.op(value, limit):
+            return self.good(run, rank, step=r.step, t=t, value=value, subject=subject)
+        if spec.per_gpu:
+            where = f"GPU {r.id} of rank {rank.rank} on {rank.host} (run {run.run_id}, step {r.step})"
+        else:
+            where = f"run {run.run_id}, rank {rank.rank}, step {r.step}"
+        than = "" if spec.op == "==" else f" {OP_WORDS[spec.op]} {spec.show(limit)}"
+        held = []
+        if self.cfg.fire_after > 1:
+            held.append(f"{self.cfg.fire_after} records in a row")
+        if self.cfg.fire_after_s:
+            held.append(f"for {self.cfg.fire_after_s:g} s")
+        return self.bad(run, rank, step=r.step, t=t, value=value, threshold=limit, subject=subject,
+                        message=(f"{spec.name.replace('_', ' ')} on {where}: {spec.what} "
+                                 f"{'is ' if spec.op == '==' else ''}{spec.show(value)}{than}"
+                                 f"{' (' + ', '.join(held) + ')' if held else ''}"))
 
 
 # -- GPU records: one incident per GPU ------------------------------------------------------
@@ -323,57 +750,3 @@ class GpuThrottleRule(GpuRule):
             return float(len(reasons)), None, (f"clocks throttled ({', '.join(reasons)}), "
                                                f"{r.clock} of {r.max_clock} MHz")
         return None
-
-
-class GpuUnderutilizedRule(GpuRule):
-    def problem(self, r):
-        if r.gpu_util < self.cfg.min_util:
-            return float(r.gpu_util), self.cfg.min_util, (
-                f"utilization {r.gpu_util}% below {self.cfg.min_util:g}% for at least "
-                f"{self.cfg.fire_after_s:g} s")
-        return None
-
-
-class GpuMemoryLowRule(GpuRule):
-    def problem(self, r):
-        if r.dram_free < self.cfg.min_free_bytes:
-            return float(r.dram_free), float(self.cfg.min_free_bytes), (
-                f"free memory nearly gone: {r.dram_free / 2**20:,.0f} MiB free "
-                f"(limit {self.cfg.min_free_bytes / 2**20:,.0f} MiB)")
-        return None
-
-
-# -- MoE router records ----------------------------------------------------------------------
-
-class MoeRule(Rule):
-    kinds = ("moe",)
-    field = ""
-    above = True
-    label = ""
-
-    def observe(self, r, t, run, rank):
-        value, limit = getattr(r, self.field), self.cfg.threshold
-        if value is None or not math.isfinite(value):
-            return None
-        if (value > limit) if self.above else (value < limit):
-            relation = ">" if self.above else "<"
-            return self.bad(run, rank, step=r.step, t=t, value=value, threshold=limit, message=(
-                f"MoE {self.label} on run {run.run_id}, rank {rank.rank}, step {r.step}: "
-                f"{_g(value)} {relation} {_g(limit)}"))
-        return self.good(run, rank, step=r.step, t=t, value=value)
-
-
-class MoeAuxLossRule(MoeRule):
-    field, label = "aux_loss", "aux loss high"
-
-
-class MoeZLossRule(MoeRule):
-    field, label = "z_loss", "z-loss high"
-
-
-class MoeExpertUtilizationRule(MoeRule):
-    field, above, label = "expert_utilization", False, "expert utilization low"
-
-
-class MoeLoadImbalanceRule(MoeRule):
-    field, label = "load_imbalance", "load imbalance high"

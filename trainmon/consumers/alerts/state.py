@@ -51,6 +51,7 @@ class RunState:
         self.ended_count = 0
         self.pending_ends: set[int] = set()  # ranks whose end the incidents have not seen yet
         self.end_status: str | None = None
+        self.total_steps: int | None = None  # the planned number of steps, when logged
 
     def rank(self, rank: int, host: str, world_size: int) -> RankState:
         rs = self.ranks.get(rank)
@@ -75,7 +76,9 @@ class RunState:
         return [rs for rs in self.ranks.values() if not rs.ended and rs.last_step is not None]
 
     def on_step(self, rs: RankState, step: int, t: float, duration_ms: float | None,
-                received: float) -> None:
+                received: float, total_steps: int | None = None) -> None:
+        if total_steps:
+            self.total_steps = total_steps
         if rs.last_step is not None and step < rs.last_step:
             self.rewind()  # resumed from a checkpoint: step counts start over
         rs.last_step = step
@@ -93,6 +96,11 @@ class RunState:
                 del self.seen_steps[:MAX_SEEN_STEPS // 2]
                 del self.seen_times[:MAX_SEEN_STEPS // 2]
                 del self.seen_received[:MAX_SEEN_STEPS // 2]
+
+    @property
+    def finished_steps(self) -> bool:
+        """It reached its planned last step (a job that ends without a run-end record)."""
+        return bool(self.total_steps) and self.max_step >= self.total_steps
 
     def rewind(self) -> None:
         self.max_step = -1
@@ -126,6 +134,7 @@ class RunState:
             "last_progress_received": self.last_progress_received,
             "seen": [self.seen_steps, self.seen_times, self.seen_received], "step_seconds": self.step_seconds.dump(),
             "pending_ends": sorted(self.pending_ends), "end_status": self.end_status,
+            "total_steps": self.total_steps,
             "slots": {name: rules[name].dump_run_state(s) for name, s in self.slots.items() if name in rules},
             "ranks": [{
                 "rank": rs.rank, "host": rs.host, "world_size": rs.world_size,
@@ -146,6 +155,7 @@ class RunState:
         run.step_seconds = RollingMedian(51, data["step_seconds"])
         run.pending_ends = set(data["pending_ends"])
         run.end_status = data["end_status"]
+        run.total_steps = data.get("total_steps")
         run.slots = {n: rules[n].load_run_state(s) for n, s in data["slots"].items() if n in rules}
         for r in data["ranks"]:
             rs = run.rank(r["rank"], r["host"], r["world_size"])

@@ -1,4 +1,4 @@
-"""Rolling windows the rules compare a new value against (mean, median, max, two halves).
+"""Rolling windows the rules compare a new value against (mean, median and MAD, max, two halves).
 
 Each keeps its values in a bounded deque so its state is a plain list in a checkpoint.
 """
@@ -6,6 +6,7 @@ Each keeps its values in a bounded deque so its state is a plain list in a check
 from __future__ import annotations
 
 import bisect
+import math
 from collections import deque
 
 
@@ -68,6 +69,27 @@ class RollingMedian:
             return 0.0
         mid = n // 2
         return s[mid] if n % 2 else (s[mid - 1] + s[mid]) / 2.0
+
+    def mad(self) -> float:
+        """Median absolute deviation from the median (0.0 for fewer than two values)."""
+        s = self._sorted
+        if len(s) < 2:
+            return 0.0
+        med = self.median
+        deviations = sorted(abs(v - med) for v in s)
+        n = len(deviations)
+        mid = n // 2
+        return deviations[mid] if n % 2 else (deviations[mid - 1] + deviations[mid]) / 2.0
+
+    def robust_z(self, value: float) -> float:
+        """Iglewicz and Hoaglin's modified z-score of ``value`` against the window:
+        0.6745 (value - median) / MAD; inf when the window has no spread (MAD 0) and the
+        value differs from its median. 3.5 is their usual outlier limit."""
+        diff = value - self.median
+        mad = self.mad()
+        if mad > 0:
+            return 0.6745 * diff / mad
+        return 0.0 if diff == 0 else math.copysign(math.inf, diff)
 
     def dump(self) -> list[float]:
         return list(self.values)
