@@ -379,3 +379,31 @@ def test_what_is_a_warning_and_what_is_not():
         assert classify(line) is None, line
     assert signature("SeqNum=96117, Timeout(ms)=1800000 at 0x7f3a9c FSDP2 v100x16") == \
         "SeqNum=N, Timeout(ms)=N at 0x? FSDP2 v100x16"
+
+
+# -- W&B / Aim / TensorBoard names -------------------------------------------------------------
+
+def test_metric_names_for_checkpoints_free_space_and_gpu_health():
+    from trainmon.consumers.metric_names import MIB, STEP_KINDS, scalars, stream_key
+    from trainmon.schemas import CheckpointRecord, DiskRecord, GpuHealthRecord
+
+    envelope = dict(run_id="r", rank=2, world_size=4, host="h", time="2025-01-01T00:00:00Z", event_id="e")
+    saved = CheckpointRecord(**envelope, step=5, path="/ckpt", bytes=3 * MIB, duration_ms=2500.0)
+    started = CheckpointRecord(**envelope, step=5, event="started")
+    assert [(s.flat_name(2), s.value) for s in scalars(saved)] == \
+        [("rank2/checkpoint/duration_ms", 2500.0), ("rank2/checkpoint/size_mib", 3.0)]
+    assert scalars(started) == []  # a curve of finished saves only
+    assert stream_key(saved) != stream_key(started)  # both at step 5: neither skips the other
+    disk = DiskRecord(**envelope, step=5, path="/ckpt", free_bytes=10 * MIB, total_bytes=40 * MIB,
+                      used_bytes=30 * MIB)
+    assert [(s.metric, s.value) for s in scalars(disk)] == \
+        [("disk/free_mib", 10.0), ("disk/used_mib", 30.0), ("disk/total_mib", 40.0)]
+    health = GpuHealthRecord(**envelope, step=5, id=3, ecc_volatile_uncorrected=0, remapped_rows_pending=True,
+                             xids=[79], nvlink_crc_flit_errors=12)
+    assert [(s.flat_name(0), s.aim_name(), s.value) for s in scalars(health)] == [
+        ("gpu/3/ecc_volatile_uncorrected", "gpu/3/ecc_volatile_uncorrected", 0.0),
+        ("gpu/3/remapped_rows_pending", "gpu/3/remapped_rows_pending", 1.0),
+        ("gpu/3/xid_count", "gpu/3/xid_count", 1.0),
+        ("gpu/3/nvlink_crc_flit_errors", "gpu/3/nvlink_crc_flit_errors", 12.0)]  # absent: no point
+    assert stream_key(health) == "2/gpu_health/3"
+    assert {"gpu_health", "checkpoint", "disk"} <= set(STEP_KINDS)
