@@ -13,9 +13,9 @@ from kafka import KafkaConsumer, KafkaProducer, TopicPartition
 
 from trainmon import topics
 from trainmon.consumers.clickhouse.readback import record_from_row
-from trainmon.schemas import (RECORD_TYPES, AlertRecord, AllocatorRecord, DatasetRecord, EvalRecord,
-                              GpuModelRecord, GpuRecord, MoeRecord, RunRecord, StepRecord, encode,
-                              pack)
+from trainmon.schemas import (RECORD_TYPES, AlertRecord, AllocatorRecord, CheckpointRecord, DatasetRecord,
+                              DiskRecord, EvalRecord, GpuHealthRecord, GpuModelRecord, GpuRecord,
+                              LogEventRecord, MoeRecord, RunRecord, StepRecord, encode, pack)
 
 from .clickhouse_service import ClickHouseService, run_trainmon
 from .clickhouse_service import kill_leftover_services  # noqa: F401 (autouse fixture)
@@ -64,6 +64,19 @@ def every_kind() -> list:
         AlertRecord(**envelope(10), rule="loss_nan", severity="critical", state="firing",
                     incident_id="inc-1", ranks=[0, 3], step=8, value=NAN, threshold=-INF,
                     message="loss is NaN on ranks 0, 3"),
+        GpuHealthRecord(**envelope(11), step=8, id=3, ecc_volatile_corrected=1, ecc_volatile_uncorrected=0,
+                        ecc_aggregate_corrected=2**40, ecc_aggregate_uncorrected=2,
+                        remapped_rows_correctable=4, remapped_rows_uncorrectable=1,
+                        remapped_rows_pending=True, remapped_rows_failed=False,
+                        retired_pages_single_bit=0, retired_pages_double_bit=5, retired_pages_pending=False,
+                        xids=[79, 48, 79], pcie_replays=123, nvlink_crc_flit_errors=6,
+                        nvlink_crc_data_errors=7, nvlink_replay_errors=8, nvlink_recovery_errors=0),
+        CheckpointRecord(**envelope(12), step=8, event="started", path="/ckpt/iter_0000008",
+                         bytes=14 * 2**30, duration_ms=INF, free_bytes=2**41, total_bytes=2**43),
+        DiskRecord(**envelope(13), step=8, path="/ckpt", free_bytes=2**41, total_bytes=2**43,
+                   used_bytes=2**42),
+        LogEventRecord(**envelope(14), level="error", source="nccl", signature="NCCL WARN x <N>",
+                       text="NCCL WARN x <59840>", count=2**33, first_step=0, last_step=8),
     ]
 
 
