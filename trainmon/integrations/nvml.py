@@ -383,6 +383,8 @@ class XidEvents:
     def drain(self) -> dict[int, list[int]]:
         import pynvml as n
 
+        if not self.supported:  # nothing registered: no 10 ms wait for nothing
+            return {}
         return collect_xids(lambda ms: n.nvmlEventSetWait_v2(self._set, ms),
                             lambda device: self._by_address.get(_address(device)))
 
