@@ -10,16 +10,23 @@ import pytest
 
 from trainmon.consumers.alerts import AlertEngine, ConfigError, load_config
 from trainmon.consumers.alerts.config import RULE_NAMES, env_var
+from trainmon.consumers.alerts.engine import RULE_CLASSES
 
 
 def test_defaults_follow_the_healthy_ranges():
     rules = load_config(env={}).rules
-    assert rules.grad_spike.factor == 5 and rules.exploding_grad.threshold == 100
-    assert rules.loss_spike.rise == 0.2
+    # Judged against the run's own values, from the first records on.
+    assert (rules.grad_spike.factor, rules.grad_spike.jump, rules.grad_spike.min_samples) == (3, 10, 3)
+    assert (rules.exploding_grad.factor, rules.exploding_grad.fire_after) == (10, 3)
+    assert (rules.loss_spike.rise, rules.loss_spike.jump, rules.loss_spike.min_samples) == (0.2, 1.0, 3)
+    assert rules.throughput_drop.drop == 0.25 and rules.throughput_drop.min_samples == 3
+    assert rules.moe_aux_loss.rise == 0.5 and rules.moe_z_loss.rise == 1.0
+    # fp16: the calibration at the start of a run is info, a collapse after it critical.
+    assert rules.loss_scale_collapse.warmup_steps == rules.skipped_iterations.warmup_steps == 100
     assert rules.num_zeros.max_fraction == 0.5 and rules.gpu_underutilized.min_util == 50
-    assert (rules.moe_aux_loss.threshold, rules.moe_z_loss.threshold,
-            rules.moe_expert_utilization.threshold, rules.moe_load_imbalance.threshold) == (1.0, 0.1, 0.5, 3.0)
+    assert (rules.moe_expert_utilization.threshold, rules.moe_load_imbalance.threshold) == (0.5, 3.0)
     assert all(getattr(rules, name).enabled for name in RULE_NAMES)
+    assert set(RULE_NAMES) == set(RULE_CLASSES)
 
 
 def test_yaml_file_then_env_override(tmp_path):

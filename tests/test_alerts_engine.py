@@ -4,6 +4,7 @@ ids), the NCCL RAS style rank summary, and robustness to odd but valid records."
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 
 from trainmon.consumers.alerts import AlertEngine, load_config
 from trainmon.consumers.alerts.incidents import event_id
@@ -94,3 +95,84 @@ def test_mismatch_still_fires_when_the_lagging_rank_is_read_after_a_tick():
     run_engine(engine, rank3_steps)
     (alert,) = engine.tick()  # by record time: rank 3 silent since step 41, 20 s ago
     assert alert.rule == "rank_mismatch" and alert.ranks == [3] and alert.step == 40
+
+
+# -- lifecycle of the new rule families -----------------------------------------------------
+
+def test_a_failed_run_stays_failed_until_it_starts_again():
+    from .alerts_support import engine_with, firing, run_engine, synthetic_run
+
+    engine = engine_with()
+    records = synthetic_run("oom", t0=1.7e9, ranks=2, steps=30, end_status="failed",
+                            end_reason="torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
+    alerts = run_engine(engine, records, tick_after_s=3600)
+    (fired,) = alerts  # no resolution at the run's end, and no stall after it
+    assert (fired.rule, fired.state, fired.severity, fired.step, fired.ranks) == (
+        "run_failed", "firing", "critical", 29, [0])
+    assert engine.book.keys[("run_failed", "oom", "run")].open.ranks == {0, 1}  # rank 1 joined it
+    assert "run oom failed after step 29: rank 0 (node0): torch.OutOfMemoryError: CUDA out of memory" \
+        in fired.message
+    assert [a.rule for a in engine.book.open_incidents("oom")] == ["run_failed"]
+    # Restarted (a new start after the failure): the failure resolves.
+    again = synthetic_run("oom", t0=1.7e9 + 100, ranks=2, steps=3, end=False)
+    resolved = run_engine(engine, again)
+    assert [(a.rule, a.state) for a in resolved] == [("run_failed", "resolved")]
+    assert "the run started again" in resolved[0].message or "records again" in resolved[0].message
+    cancelled = synthetic_run("cancel", t0=1.7e9, steps=5, end_status="aborted", end_reason="Slurm job cancelled")
+    assert [(a.rule, a.severity) for a in firing(run_engine(engine_with(), cancelled))] == [
+        ("run_failed", "warning")]
+
+
+def test_fp16_warm_up_is_info_and_a_later_overflow_cascade_critical():
+    """Megatron's fp16 calibration skips every iteration of its first log intervals (the
+    scale falls from 2**32): info. Per-step DeepSpeed overflows later ("OVERFLOW! Skipping
+    step. Attempted loss scale: 64, reducing to 32" on steps in a row): critical, and the
+    scale falling 8x within 100 iterations is a collapse."""
+    from .alerts_support import engine_with, firing, run_engine, synthetic_run
+
+    def fp16(s, r, step, gpu, moe):
+        if s < 8:  # calibration: every iteration skipped, no loss, the scale halving
+            step.update(loss=None, norm=None, skipped=1, loss_scale=2.0 ** (32 - 2 * s))
+        else:
+            step.update(skipped=0, loss_scale=64.0)
+        if 378 <= s <= 382:  # the cascade: attempted 64 -> 32 -> ... -> 2, step skipped
+            step.update(loss=None, norm=None, skipped=1, loss_scale=2.0 ** (5 - (s - 378)))
+    alerts = firing(run_engine(engine_with(), synthetic_run("fp16", t0=1.7e9, steps=400, mutate=fp16)))
+    assert sorted((a.step, a.rule, a.severity) for a in alerts) == [
+        (2, "skipped_iterations", "info"),
+        (380, "loss_scale_collapse", "critical"),  # 8 is 8x below 64
+        (380, "skipped_iterations", "critical"),
+    ], [a.message for a in alerts]
+    skipped = [a for a in alerts if a.rule == "skipped_iterations"]
+    assert "calibrating" in skipped[0].message and "overflows" in skipped[1].message
+
+
+def test_a_failure_is_judged_once_every_partition_is_read_and_names_every_failed_rank():
+    """Kafka hands the run topic and the step topic over in any order: a run end read before
+    the rank's last steps must not say "before its first step". The engine applies ends on
+    its tick (which the service runs once every partition is read), so the alert has the
+    last step, and all failures the tick sees, the first (usually the cause) first."""
+    from .alerts_support import engine_with, synthetic_run
+
+    run = synthetic_run("nccl", t0=1.7e9, ranks=8, steps=20, end_status="failed",
+                        end_reason="NCCL watchdog timeout: ALLREDUCE ran for 600034 ms")
+    run_topic = [r for r in run if r.kind == "run"]
+    ends = run_topic[8:]
+    ends[4] = ends[4].model_copy(update={"reason": "FileNotFoundError: doc_idx.npy",
+                                         "time": ends[4].time - timedelta(seconds=1)})
+    run_topic = run_topic[:8] + [ends[4]] + ends[:4] + ends[5:]
+    engine = engine_with()
+    out = []
+    for record in run_topic + [r for r in run if r.kind != "run"]:  # the run topic read first
+        out.extend(engine.process(record))
+    out.extend(engine.tick())
+    (fired,) = [a for a in out if a.state == "firing"]
+    assert fired.rule == "run_failed" and fired.step == 19 and fired.ranks == list(range(8))
+    assert fired.message == ("run nccl failed after step 19: rank 4 (node0): FileNotFoundError: doc_idx.npy; "
+                             "ranks 0-3, 5-7: NCCL watchdog timeout: ALLREDUCE ran for 600034 ms")
+
+
+def test_the_service_reads_eval_records():
+    from trainmon.consumers.alerts.engine import INPUT_KINDS
+
+    assert "eval" in INPUT_KINDS

@@ -73,8 +73,8 @@ def test_a_threshold_rule_is_configured_like_any_other():
 
 
 def test_docs_show_the_threshold_table_as_generated():
-    """docs/alerts.md holds the table ``python -m trainmon.consumers.alerts.thresholds`` prints."""
+    """docs/alerts.md holds the table ``python -m trainmon.consumers.alerts`` prints."""
     doc = (Path(__file__).resolve().parents[1] / "docs" / "alerts.md").read_text()
-    assert markdown_table() in doc, "regenerate: python -m trainmon.consumers.alerts.thresholds"
+    assert markdown_table() in doc, "regenerate it: python -m trainmon.consumers.alerts"
     for spec in THRESHOLD_RULES:
         assert getattr(Rules(), spec.name).severity == spec.severity

@@ -167,7 +167,9 @@ class IterationTimeSpike(RuleConfig):
     severity: Severity = "info"
     factor: float = Field(3.0, gt=1)  # step time > factor x median of the last `window`
     window: int = Field(50, ge=2)
-    min_samples: int = Field(3, ge=1)
+    # The first steps of a run (compilation, allocator and data-loader warm-up, ranks
+    # settling into lockstep) are no steady state to compare with.
+    min_samples: int = Field(10, ge=1)
     fire_after: int = Field(3, ge=1)
 
 

@@ -123,7 +123,9 @@ class AlertEngine:
             run.on_step(rs, record.step, t, record.duration_ms, t if received is None else received,
                         record.total_steps)
         for rule in self._by_kind.get(kind, ()):
-            _add(out, rule.observe(record, t, run, rs))
+            found = rule.observe(record, t, run, rs)
+            if found:  # mostly None: no call for it
+                _add(out, found)
         return out
 
     def tick(self, now: float | None = None) -> list[AlertRecord]:
@@ -177,6 +179,9 @@ class AlertEngine:
 
     def _apply_ends(self, run: RunState) -> list[AlertRecord]:
         out: list[AlertRecord] = []
+        failed = self.rules.get("run_failed")
+        if failed is not None:
+            _add(out, failed.on_ends(run, sorted(run.pending_ends)))
         for rank in sorted(run.pending_ends):
             rs = run.ranks[rank]
             out.extend(self.book.end_rank(run.run_id, rank, rs.ended_at, rs.last_step))

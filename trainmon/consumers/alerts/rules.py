@@ -31,6 +31,7 @@ from .stats import RollingMedian, TwoHalves
 from .thresholds import BY_NAME, OPS
 
 RUN = "run"  # subject of an incident that concerns the whole run
+_INFS = (math.inf, -math.inf)
 OP_WORDS = {">": "above", ">=": "at or above", "<": "below", "<=": "at or below", "==": "is"}
 
 
@@ -119,9 +120,6 @@ class BaselineRule(Rule):
     field, what = "", ""
     skip_inf = True  # an infinite value is not judged (non_finite's business)
 
-    def value(self, r):
-        return getattr(r, self.field)
-
     def new_state(self):
         return RollingMedian(self.cfg.window)
 
@@ -131,25 +129,28 @@ class BaselineRule(Rule):
     def load_state(self, data):
         return RollingMedian(self.cfg.window, data)
 
-    @property
-    def forming(self) -> int:
-        return getattr(self.cfg, "min_samples", 3)
+    def __init__(self, name: str, cfg: RuleConfig, book: IncidentBook):
+        super().__init__(name, cfg, book)
+        self.forming = getattr(cfg, "min_samples", 3)
 
     def observe(self, r, t, run, rank):
-        value = self.value(r)
-        if value is None or math.isnan(value) or (self.skip_inf and math.isinf(value)):
-            return None
-        return self.judge_into(rank.slot(self), value, r, t, run, rank)
+        value = getattr(r, self.field)
+        if value is None or value != value or (self.skip_inf and value in _INFS):
+            return None  # not logged, NaN, or (skip_inf) infinite
+        window = rank.slots.get(self.name)
+        if window is None:
+            window = rank.slot(self)
+        return self.judge_into(window, value, r, t, run, rank)
 
     def judge_into(self, window: RollingMedian, value: float, r, t, run, rank):
-        verdict = self.judge(value, window) if len(window) else None
+        verdict = self.judge(value, window) if window.values else None
         if not verdict:
-            if math.isfinite(value):
+            if value not in _INFS:
                 window.push(value)
             if verdict is None:
                 return None
             return self.good(run, rank, step=r.step, t=t, value=value)
-        if len(window) < self.forming and math.isfinite(value):
+        if len(window.values) < self.forming and value not in _INFS:
             window.push(value)
         limit, detail, fire_now = verdict
         return self.bad(run, rank, step=r.step, t=t, value=value, threshold=limit, fire_now=fire_now,
@@ -163,7 +164,7 @@ class GradSpikeRule(BaselineRule):
     field, what = "norm", "grad norm spike"
 
     def judge(self, norm, w):
-        cfg, med, n = self.cfg, w.median, len(w)
+        cfg, med, n = self.cfg, w.median, len(w.values)
         if med <= 0:
             return None
         ratio = norm / med
@@ -198,7 +199,7 @@ class LossSpikeRule(BaselineRule):
     field, what = "loss", "loss spike"
 
     def judge(self, loss, w):
-        cfg, med, n = self.cfg, w.median, len(w)
+        cfg, med, n = self.cfg, w.median, len(w.values)
         if med <= 0:
             return None  # a loss that can be negative has no ratio to judge
         ratio = loss / med
@@ -221,7 +222,7 @@ class IterationTimeSpikeRule(BaselineRule):
     skip_inf = False  # an infinite step time is judged
 
     def judge(self, duration, w):
-        med, n = w.median, len(w)
+        med, n = w.median, len(w.values)
         if n < self.cfg.min_samples:
             return None
         if med <= 0:
@@ -278,7 +279,7 @@ class ThroughputDropRule(BaselineRule):
         return self.judge_into(window, value, r, t, run, rank)
 
     def judge(self, value, w):
-        med, n = w.median, len(w)
+        med, n = w.median, len(w.values)
         if n < self.cfg.min_samples or med <= 0:
             return None
         limit = (1.0 - self.cfg.drop) * med
@@ -295,7 +296,7 @@ class EvalLossSpikeRule(BaselineRule):
     field, what = "loss", "eval loss spike"
 
     def judge(self, loss, w):
-        med, n = w.median, len(w)
+        med, n = w.median, len(w.values)
         if n < self.cfg.min_samples or med <= 0:
             return None
         limit = (1.0 + self.cfg.rise) * med
@@ -309,7 +310,7 @@ class MoeRouterLossRule(BaselineRule):
     kinds = ("moe",)
 
     def judge(self, value, w):
-        med, n = w.median, len(w)
+        med, n = w.median, len(w.values)
         if n < self.cfg.min_samples or med <= 0:
             return None
         limit = (1.0 + self.cfg.rise) * med
@@ -659,22 +660,68 @@ class LrZeroRule(Rule):
 # -- run records ----------------------------------------------------------------------------
 
 class RunFailedRule(Rule):
-    """A run end with status failed (or aborted: warning), with its reason. The incident
-    stays open after the run's end and resolves when the run starts again."""
+    """A run end with status failed (or aborted: warning), with its reason. Other topics
+    may still hold the rank's last records when its end arrives, so the failure is noted
+    here and judged when the engine applies the ends (``on_ends``, on its next tick, once
+    every partition is read): the alert then knows the last step, and names every rank that
+    failed by then with its reason (the first failure, usually the cause, first). The
+    incident stays open after the run's end and resolves when the run starts again."""
 
     kinds = ("run",)
     lasting = True
 
     def observe(self, r, t, run, rank):
-        if r.event != "end" or r.status not in ("failed", "aborted"):
+        if r.event != "end":
             return None
-        step = rank.last_step if rank.last_step is not None else (run.max_step if run.max_step >= 0 else None)
+        failures = run.slots.setdefault(self.name, {})
+        if r.status in ("failed", "aborted"):
+            failures[rank.rank] = (r.status, (r.reason or "no reason given")[:1000], t)
+        else:
+            failures.pop(rank.rank, None)
+        return None
+
+    def on_ends(self, run: RunState, ranks: list[int]):
+        failures = run.slots.get(self.name) or {}
+        ended = sorted((failures[rk][2], rk) for rk in ranks if rk in failures)
+        if not ended:
+            return None
+        first = run.ranks[ended[0][1]]
+        statuses = {failures[rk][0] for _, rk in ended}
+        status = "failed" if "failed" in statuses else "aborted"
+        by_reason: dict[str, list[int]] = {}
+        for _, rk in ended:
+            by_reason.setdefault(failures[rk][1], []).append(rk)
+        parts = [f"{_ranks(rks)}{f' ({run.ranks[rks[0]].host})' if len(rks) == 1 else ''}: {reason}"
+                 for reason, rks in by_reason.items()]
+        step = run.max_step if run.max_step >= 0 else None
         where = f"after step {step}" if step is not None else "before its first step"
-        reason = (r.reason or "no reason given")[:1000]
-        return self.bad(run, rank, step=step, t=t, value=None, threshold=None, check_stale=False,
-                        severity=None if r.status == "failed" else "warning", message=(
-                            f"run {run.run_id} {r.status} on rank {rank.rank} ({rank.host}) {where}: "
-                            f"{reason}"))
+        out = None
+        for i, (t, rk) in enumerate(ended):
+            found = self.book.bad(self.cfg, self.name, run.run_id, RUN, rk, step=step, time=ended[0][0],
+                                  value=None, threshold=None, world_size=first.world_size,
+                                  host=first.host, check_stale=False,
+                                  severity=None if status == "failed" else "warning",
+                                  ranks=[r for _, r in ended] if i == 0 else None,
+                                  message=f"run {run.run_id} {status} {where}: " + "; ".join(parts))
+            out = out or found
+        return out
+
+    def dump_run_state(self, failures):
+        return [[rk, status, reason, t] for rk, (status, reason, t) in failures.items()]
+
+    def load_run_state(self, data):
+        return {rk: (status, reason, t) for rk, status, reason, t in data}
+
+
+def _ranks(ranks: list[int]) -> str:
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    spans, start = [], ranks[0]
+    for a, b in zip(ranks, ranks[1:] + [None]):
+        if b != a + 1:
+            spans.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return f"ranks {', '.join(spans)}"
 
 
 # -- threshold rules (thresholds.py) ----------------------------------------------------------
@@ -687,11 +734,12 @@ class ThresholdRule(Rule):
         self.spec = BY_NAME[name]
         self.kinds = (self.spec.kind,)
         self.op = OPS[self.spec.op]
+        self.field = None if "/" in self.spec.field else self.spec.field
 
     def observe(self, r, t, run, rank):
         spec = self.spec
-        value = spec.value(r)
-        if value is None or math.isnan(value):
+        value = getattr(r, self.field) if self.field else spec.value(r)
+        if value is None or value != value:
             return None
         limit = spec.threshold if spec.param is None else getattr(self.cfg, spec.param)
         subject = f"rank{rank.rank}/gpu{r.id}" if spec.per_gpu else RUN

@@ -11,7 +11,7 @@ rule's (YAML ``rules: {gpu_memory_low: {min_free_bytes: 2147483648}}`` or
 Adding one: an entry in ``THRESHOLD_RULES`` below and a case in
 ``tests/test_alerts_thresholds.py`` (a record that fires it and its healthy twin); the
 rules table of docs/alerts.md is generated from here
-(``python -m trainmon.consumers.alerts.thresholds`` prints it). Rules with real logic (a
+(``python -m trainmon.consumers.alerts`` prints it). Rules with real logic (a
 baseline of the run's own values, a trend, a warm-up, several ranks) are classes in
 rules.py / ranks.py.
 """
@@ -153,7 +153,3 @@ def markdown_table() -> str:
         lines.append(f"| `{s.name}` | {describe(s)}{held}{per} | {s.severity} | {debounce} | "
                      f"{s.catches} | {s.checked_on} |")
     return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    print(markdown_table())

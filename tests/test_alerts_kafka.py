@@ -1,0 +1,111 @@
+"""The alert service end to end on the real broker, for a few rules that cover every input
+topic (step, eval, moe, gpu, run) and both clocks (record time, the wall clock of a silent
+run): the anomalous run fires its rule at the right step, its healthy twin nothing. The
+rules' logic is tested in memory (test_alerts_rules.py, test_alerts_thresholds.py).
+
+All runs go through one broker round trip: they are produced together, the alert service
+runs once over them until idle, and each test reads its run's alerts from the alert topic.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+
+import pytest
+from kafka import KafkaProducer
+
+from trainmon import topics
+from trainmon.consumers.alerts.config import Rules
+from trainmon.producer import Producer, ProducerConfig
+
+from .alerts_support import past_t0, run_until_idle, send, service_env, synthetic_run
+from .conftest import read_records, read_topic
+from .test_alerts_rules import TEST_SETTINGS, Scenario, at
+
+S = 50
+STEPS = 80
+GARBAGE = [b"not json at all", json.dumps({"run_id": "garbage", "rank": 0, "world_size": 1, "host": "h",
+                                           "time": "2026-01-01T00:00:00Z", "event_id": "g1", "loss": 1.0,
+                                           "epoch": 0, "step_tokens": 1, "duration_ms": 1, "norm": 1,
+                                           "lr": 1}).encode()]  # no step
+
+SCENARIOS = [
+    Scenario("non_finite", at(S, step={"loss": math.nan})),  # step topic
+    Scenario("eval_loss_spike", at(S, S + 2, step={"eval_loss": 4.0}), bad_run=dict(eval_every=5)),  # eval
+    Scenario("moe_aux_loss", at(S, S + 5, moe={"aux_loss": 2.0}), step=S + 2),  # moe
+    Scenario("gpu_memory_low", at(S, gpu={"dram_free": 100 << 20})),  # gpu, a threshold rule
+    Scenario("run_failed", step=STEPS - 1,  # run topic
+             bad_run=dict(end_status="failed", end_reason="NCCL watchdog timeout: ALLREDUCE ran for 600034 ms")),
+    Scenario("rank_mismatch", ranks=4, bad_run=dict(stop_rank_at={3: S}, end=False), alert_ranks=[3],
+             also={"stalled"}),  # the wall clock of a silent run
+    Scenario("stalled", bad_run=dict(steps=S + 1, end=False)),
+]
+BY_RULE = {s.rule: s for s in SCENARIOS}
+
+
+@pytest.fixture(scope="module")
+def alerts_by_run(kafka_broker, tmp_path_factory):
+    """Produce every scenario's anomalous and healthy run, run the service once over them."""
+    bootstrap = kafka_broker.bootstrap
+    prefix = f"t{uuid.uuid4().hex[:10]}."
+    tmp = tmp_path_factory.mktemp("alert-kafka")
+    t0 = past_t0(900)
+    producer = Producer(ProducerConfig(bootstrap=bootstrap, topic_prefix=prefix, run_id="alert-tests",
+                                       spill_dir=tmp / "spill", linger_ms=5))
+    try:
+        for i, sc in enumerate(SCENARIOS):
+            bad = dict(sc.bad_run)
+            bad.setdefault("steps", STEPS)
+            send(producer, synthetic_run(f"{sc.rule}-bad", t0=t0, ranks=sc.ranks, seed=i,
+                                         mutate=sc.mutate, **bad))
+            send(producer, synthetic_run(f"{sc.rule}-ok", t0=t0, ranks=sc.ranks, steps=STEPS, seed=i,
+                                         eval_every=sc.bad_run.get("eval_every", 0)))
+    finally:
+        producer.close()
+    raw = KafkaProducer(bootstrap_servers=bootstrap)
+    for bad in GARBAGE:
+        raw.send(topics.topic_for("step", prefix), key=b"garbage/0", value=bad)
+    raw.flush()
+    raw.close()
+    env = service_env(bootstrap, **TEST_SETTINGS)
+    service = run_until_idle(env, prefix, tmp / "state", idle_s=2.0)
+    assert service.stats["errors"] == 0
+    alerts = read_records(bootstrap, prefix, "alert", expected=service.stats["alerts"], timeout=30)
+    by_run: dict[str, list] = {}
+    for a in alerts:
+        by_run.setdefault(a.run_id, []).append(a)
+    by_run["__deadletters__"] = [json.loads(m.value) for m in
+                                 read_topic(bootstrap, topics.topic_for(topics.DEADLETTER, prefix), len(GARBAGE))]
+    return by_run
+
+
+@pytest.mark.parametrize("rule", list(BY_RULE))
+def test_anomaly_fires_at_the_right_step(alerts_by_run, rule):
+    sc = BY_RULE[rule]
+    alerts = alerts_by_run.get(f"{rule}-bad", [])
+    firing = [a for a in alerts if a.state == "firing"]
+    assert {a.rule for a in firing} - sc.also == {rule}, [a.message for a in firing]
+    (alert,) = [a for a in firing if a.rule == rule]
+    assert alert.step == sc.step, alert.message
+    assert alert.run_id == f"{rule}-bad" and f"{rule}-bad" in alert.message
+    assert alert.severity == getattr(Rules(), rule).severity
+    if sc.alert_ranks is not None:
+        assert alert.ranks == sc.alert_ranks, alert.message
+    same = [a for a in alerts if a.incident_id == alert.incident_id]
+    assert sorted(a.state for a in same) in (["firing"], ["firing", "resolved"])
+    assert len({a.event_id for a in alerts}) == len(alerts)
+
+
+def test_bad_input_is_dead_lettered_and_the_rules_carry_on(alerts_by_run):
+    letters = alerts_by_run["__deadletters__"]
+    assert len(letters) == len(GARBAGE)
+    assert {d["consumer"] for d in letters} == {"trainmon-alerts"}
+    assert any("not JSON" in d["error"] for d in letters)
+    assert any("step" in d["error"] for d in letters)  # names the missing field
+
+
+@pytest.mark.parametrize("rule", list(BY_RULE))
+def test_same_run_without_the_anomaly_stays_silent(alerts_by_run, rule):
+    assert alerts_by_run.get(f"{rule}-ok", []) == []
