@@ -176,3 +176,22 @@ def test_the_service_reads_eval_records():
     from trainmon.consumers.alerts.engine import INPUT_KINDS
 
     assert "eval" in INPUT_KINDS
+
+
+def test_several_eval_sets_are_judged_each_on_its_own():
+    """HF Trainer with two eval sets logs eval_a_loss and eval_b_loss at each eval step:
+    1.2 and 2.5, alternating. Neither is a spike of the other."""
+    from trainmon.schemas import EvalRecord
+
+    from .alerts_support import engine_with, run_engine, synthetic_run
+
+    records = [r for r in synthetic_run("sets", t0=1.7e9, steps=60, end=False)]
+    evals = []
+    for i, r in enumerate(records):
+        if r.kind == "step" and r.step % 10 == 0 and r.step:
+            for n, loss in enumerate((1.2, 2.5)):
+                evals.append((i, EvalRecord(run_id="sets", rank=0, world_size=1, host="node0", time=r.time,
+                                            event_id=f"e{r.step}-{n}", step=r.step, loss=loss - r.step / 1000)))
+    for i, e in reversed(evals):
+        records.insert(i + 1, e)
+    assert run_engine(engine_with(), records) == []

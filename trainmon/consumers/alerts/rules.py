@@ -291,9 +291,51 @@ class ThroughputDropRule(BaselineRule):
         return False
 
 
+def eval_set(st, step: int) -> int:
+    """Which eval set an eval record is, by its order within its step: a job with several
+    eval sets (HF Trainer's ``eval_<name>_loss``) evaluates them in the same order each
+    time, and their losses are not comparable with each other. ``st`` has ``step``, ``i``."""
+    if st.step == step:
+        st.i += 1
+    else:
+        st.step, st.i = step, 0
+    return st.i
+
+
+class EvalSets:
+    __slots__ = ("step", "i", "sets")
+
+    def __init__(self, step=None, i=0, sets=None):
+        self.step, self.i, self.sets = step, i, sets or {}
+
+
 class EvalLossSpikeRule(BaselineRule):
+    """Eval loss against the median of the recent evals of the same eval set."""
+
     kinds = ("eval",)
     field, what = "loss", "eval loss spike"
+
+    def new_state(self):
+        return EvalSets()
+
+    def dump_state(self, st):
+        return [st.step, st.i, [[i, w.dump()] for i, w in st.sets.items()]]
+
+    def load_state(self, data):
+        step, i, sets = data
+        return EvalSets(step, i, {k: RollingMedian(self.cfg.window, v) for k, v in sets})
+
+    def observe(self, r, t, run, rank):
+        loss = r.loss
+        if loss is None or not math.isfinite(loss):
+            return None
+        st = rank.slot(self)
+        i = eval_set(st, r.step)
+        window = st.sets.get(i)
+        if window is None:
+            window = st.sets[i] = RollingMedian(self.cfg.window)
+        self.which = f" (eval set {i + 1} of the step)" if i or len(st.sets) > 1 else ""
+        return self.judge_into(window, loss, r, t, run, rank)
 
     def judge(self, loss, w):
         med, n = w.median, len(w.values)
@@ -301,8 +343,9 @@ class EvalLossSpikeRule(BaselineRule):
             return None
         limit = (1.0 + self.cfg.rise) * med
         if loss >= limit:
-            return limit, (f"eval loss {_g(loss)} is {100 * (loss / med - 1):.0f}% above the median "
-                           f"{_g(med)} of its last {n} evals (limit +{100 * self.cfg.rise:g}%)"), False
+            return limit, (f"eval loss {_g(loss)}{self.which} is {100 * (loss / med - 1):.0f}% above "
+                           f"the median {_g(med)} of its last {n} evals (limit "
+                           f"+{100 * self.cfg.rise:g}%)"), False
         return False
 
 
@@ -489,17 +532,17 @@ class LossPlateauRule(Rule):
         return self.good(run, rank, step=r.step, t=t, value=newer)
 
 
-class EvalState:
-    __slots__ = ("train", "best", "best_step", "train_at_best")
+class EvalState(EvalSets):
+    __slots__ = ("train",)
 
-    def __init__(self, window: int, train=(), best=None, best_step=None, train_at_best=None):
-        self.train = RollingMedian(window, train)
-        self.best, self.best_step, self.train_at_best = best, best_step, train_at_best
+    def __init__(self, window: int, train=(), step=None, i=0, sets=None):
+        super().__init__(step, i, sets)
+        self.train = RollingMedian(window, train)  # sets: i -> [best, best_step, train_at_best]
 
 
 class EvalDivergenceRule(Rule):
     """Eval loss rising above its best while the training loss keeps falling: overfitting
-    (or an eval set that drifted from the training data)."""
+    (or an eval set that drifted from the training data). Each eval set on its own."""
 
     kinds = ("step", "eval")
 
@@ -507,10 +550,11 @@ class EvalDivergenceRule(Rule):
         return EvalState(self.cfg.train_window)
 
     def dump_state(self, st):
-        return [st.train.dump(), st.best, st.best_step, st.train_at_best]
+        return [st.train.dump(), st.step, st.i, [[i, v] for i, v in st.sets.items()]]
 
     def load_state(self, data):
-        return EvalState(self.cfg.train_window, *data)
+        train, step, i, sets = data
+        return EvalState(self.cfg.train_window, train, step, i, {k: v for k, v in sets})
 
     def observe(self, r, t, run, rank):
         loss = r.loss
@@ -520,21 +564,25 @@ class EvalDivergenceRule(Rule):
         if r.kind == "step":
             st.train.push(loss)
             return None
-        train = st.train.median if len(st.train) else None
-        if st.best is None or loss < st.best:
-            st.best, st.best_step, st.train_at_best = loss, r.step, train
+        i = eval_set(st, r.step)
+        train = st.train.median if len(st.train.values) else None
+        best = st.sets.get(i)
+        if best is None or loss < best[0]:
+            st.sets[i] = [loss, r.step, train]
             return self.good(run, rank, step=r.step, t=t, value=loss)
-        if train is None or st.train_at_best is None or st.best <= 0:
+        best_loss, best_step, train_at_best = best
+        if train is None or train_at_best is None or best_loss <= 0:
             return None
-        limit = (1.0 + self.cfg.rise) * st.best
-        if loss >= limit and train < st.train_at_best:
+        limit = (1.0 + self.cfg.rise) * best_loss
+        if loss >= limit and train < train_at_best:
+            which = f" (eval set {i + 1} of the step)" if i or len(st.sets) > 1 else ""
             return self.bad(run, rank, step=r.step, t=t, value=loss, threshold=limit, message=(
                 f"eval loss rising while the training loss falls on run {run.run_id}, rank "
-                f"{rank.rank}, step {r.step}: eval {_g(loss)} is {100 * (loss / st.best - 1):.1f}% above "
-                f"its best {_g(st.best)} at step {st.best_step} (limit +{100 * self.cfg.rise:g}%, "
-                f"{self.cfg.fire_after} evals in a row) while the training loss fell from "
-                f"{_g(st.train_at_best)} to {_g(train)} (median of the last {len(st.train)} steps): "
-                f"overfitting?"))
+                f"{rank.rank}, step {r.step}: eval {_g(loss)}{which} is "
+                f"{100 * (loss / best_loss - 1):.1f}% above its best {_g(best_loss)} at step {best_step} "
+                f"(limit +{100 * self.cfg.rise:g}%, {self.cfg.fire_after} evals in a row) while the "
+                f"training loss fell from {_g(train_at_best)} to {_g(train)} (median of the last "
+                f"{len(st.train.values)} steps): overfitting?"))
         return self.good(run, rank, step=r.step, t=t, value=loss)
 
 
