@@ -67,6 +67,10 @@ class FailureWatcher:
         self._in_traceback = False
         self._traceback_lines = 0
 
+    @property
+    def in_traceback(self) -> bool:
+        return self._in_traceback
+
     def feed(self, text: str) -> Ending | None:
         if self._in_traceback:
             return self._traceback_line(text)

@@ -135,11 +135,13 @@ class Session:
         self._emit_all(self.parser.feed(line))
         if line.time is not None:
             self._last_time = line.time
+        watcher = self._watchers.get(rank)
+        if self.parser.claimed and (watcher is None or not watcher.in_traceback):
+            return  # an iteration or timer line: neither a warning nor how a run ends
         # A warning line without a timestamp of its own (c10's "[W328 16:19:30.66 ...]"
         # has no year) takes the log's latest: a backfill's events are not dated "now".
         for p in self._warnings.feed(line.text, rank, self._last_time, self._last_step, line.host):
             self._send_event(p)
-        watcher = self._watchers.get(rank)
         if watcher is None:
             watcher = self._watchers[rank] = FailureWatcher()
         ending = watcher.feed(line.text)

@@ -63,6 +63,7 @@ class ProducerConfig:
     console: bool = False
     spill_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "trainmon" / "spill")
     queue_size: int = 100_000
+    yield_to_caller: bool = True  # False for a bulk source: see Worker
     linger_ms: int = 20
     batch_size: int = 256 * 1024
     compression: str | None = field(default_factory=lambda: default_compression())

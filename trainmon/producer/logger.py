@@ -108,7 +108,8 @@ class Producer:
                                   batch_size=cfg.batch_size, compression=cfg.compression)
         self._worker = Worker(lambda on_undelivered: KafkaTransport(settings, on_undelivered),
                               cfg.spill_dir, f"{_safe(cfg.run_id)}.{cfg.rank}",
-                              queue_size=cfg.queue_size, observers=observers,
+                              queue_size=cfg.queue_size, yield_to_caller=cfg.yield_to_caller,
+                              observers=observers,
                               max_record_bytes=settings.get("max_request_size", 1 << 20) - 1024,
                               on_reject=lambda record, reason: self._reject(record.kind, reason))
         self_ref = weakref.ref(self)

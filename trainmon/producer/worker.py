@@ -48,9 +48,13 @@ class _Stop:
 
 class Worker:
     def __init__(self, make_transport, spill_dir, spill_name: str, queue_size: int = 100_000,
+                 yield_to_caller: bool = True,
                  observers: list[Observer] | None = None, max_record_bytes: int = 1_000_000,
                  on_reject: Rejecter | None = None):
         self._make_transport = make_transport
+        # A training loop wants the GIL back promptly; a bulk source (trainmon ingest),
+        # whose own thread only produces records, is faster without the hand-backs.
+        self._yield_to_caller = yield_to_caller
         self._spill_dir = spill_dir
         self._spill_name = spill_name
         self._queue_size = queue_size
@@ -172,7 +176,7 @@ class Worker:
                 entry = self._encode(item)
                 if entry is not None:
                     entries.append(entry)
-                if len(entries) % _YIELD_EVERY == 0:
+                if self._yield_to_caller and len(entries) % _YIELD_EVERY == 0:
                     # Hand the GIL back to the training thread now and then, instead
                     # of making it wait out the interpreter's 5 ms switch interval.
                     time.sleep(0)

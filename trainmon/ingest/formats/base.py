@@ -26,6 +26,10 @@ class FormatParser:
         self.world_size: int | None = None
         self.config: dict[str, Any] = {}
         self.finished = False  # the log said training completed normally
+        # The last line fed was one of the format's own data lines (an iteration, a timer):
+        # the session then spares it the scans for warnings and failures, which such a
+        # line never is (most of a log's lines, so most of the time of a backfill).
+        self.claimed = False
 
     @classmethod
     def detect(cls, line: Line) -> bool:

@@ -158,6 +158,7 @@ class MegatronParser(FormatParser):
     # -- lines ---------------------------------------------------------------------
 
     def feed(self, line: Line) -> list[Parsed]:
+        self.claimed = True  # until the line turns out to be none of ours, below
         out: list[Parsed] = self._save_timer(line.text) if self._saved is not None else []
         if self._wrapped:
             if self._starts_something(line.text) or len(self._wrapped) >= _MAX_WRAPPED_LINES:
@@ -204,6 +205,7 @@ class MegatronParser(FormatParser):
         if _TIMERS_HEADER.search(text):
             self._in_timers = True
             return out
+        self.claimed = False  # iterations, their continuations and timers were above
         if (m := _MEMORY.search(text)) is not None:
             return out + [self._memory(m, line)]
         if (m := _VALIDATION.search(text)) is not None:
