@@ -31,7 +31,7 @@ from _common import broker_bootstrap, percentile  # noqa: E402
 from kafka import KafkaConsumer  # noqa: E402
 
 from trainmon import topics  # noqa: E402
-from trainmon.consumers.alerts import AlertEngine, load_config  # noqa: E402
+from trainmon.consumers.alerts import RULE_CLASSES, AlertEngine, load_config  # noqa: E402
 from trainmon.consumers.alerts.service import AlertService  # noqa: E402
 from trainmon.producer import Producer, ProducerConfig  # noqa: E402
 from trainmon.schemas import GpuRecord, MoeRecord, StepRecord, decode  # noqa: E402
@@ -175,7 +175,7 @@ def main() -> None:
 
     records = synthetic_records(args.records)
     print(f"rules engine alone: {engine_throughput(records):,.0f} records/s "
-          f"({len(records):,} step/gpu/moe records, 64 ranks, 22 rules)")
+          f"({len(records):,} step/gpu/moe records, 64 ranks, {len(RULE_CLASSES)} rules)")
     with broker_bootstrap() as bootstrap, tempfile.TemporaryDirectory() as tmp:
         rate = kafka_throughput(bootstrap, records, Path(tmp) / "throughput")
         print(f"through Kafka (decode + rules + commit): {rate:,.0f} records/s")

@@ -4,7 +4,10 @@ An incident is keyed by (rule, run, subject): subject "run" for a condition of t
 run (loss, grad norm, mismatch), "rank3" or "rank3/gpu0" for one rank or one GPU. Rules
 report observations; the book turns them into firing / resolved AlertRecords, debounced
 (``fire_after``, ``fire_after_s``, ``clear_after``), de-duplicated (one open incident per
-key), cooled down after resolving (``cooldown_s``) and rate limited per run.
+key), cooled down after resolving (``cooldown_s``) and rate limited per run. An
+escalation (an observation much worse than the one the open incident fired with, or more
+severe) resolves the open incident as superseded and fires the next one of its key, so
+it notifies again. The incidents of lasting rules (a failed run) outlive the run's end.
 
 Every state change of an incident is an AlertRecord, and ``apply`` is the only place that
 changes it, so the book can be rebuilt by replaying the alert topic. Ids are deterministic:
