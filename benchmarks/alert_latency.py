@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import broker_bootstrap, percentile  # noqa: E402
 
-from kafka import KafkaConsumer  # noqa: E402
+from trainmon.kafka_client import Consumer, TopicPartition  # noqa: E402
 
 from trainmon import topics  # noqa: E402
 from trainmon.consumers.alerts import RULE_CLASSES, AlertEngine, load_config  # noqa: E402
@@ -124,15 +124,18 @@ def latency(bootstrap: str, state_dir: Path, injections: int, every: int, rate: 
     stop = threading.Event()
 
     def watch():
-        consumer = KafkaConsumer(topics.topic_for("alert", prefix), bootstrap_servers=bootstrap,
-                                 auto_offset_reset="earliest", group_id=None, enable_auto_commit=False)
+        topic = topics.topic_for("alert", prefix)
+        consumer = Consumer(None, bootstrap=bootstrap)
+        while not (parts := consumer.partitions_for(topic)) and not stop.wait(0.1):
+            pass  # the alert topic appears with the service's first alert
+        consumer.assign({TopicPartition(topic, p): 0 for p in parts})
         while not stop.is_set():
-            for batch in consumer.poll(timeout_ms=100).values():
-                now = time.time()
-                for m in batch:
-                    alert = decode("alert", m.value)
-                    if alert.state == "firing" and alert.run_id == "lat":
-                        arrivals.append(now - alert.time.timestamp())
+            messages = consumer.poll(0.1)
+            now = time.time()
+            for m in messages:
+                alert = decode("alert", m.value)
+                if alert.state == "firing" and alert.run_id == "lat":
+                    arrivals.append(now - alert.time.timestamp())
         consumer.close()
 
     watcher = threading.Thread(target=watch, daemon=True)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import resource
 import shutil
 import subprocess
@@ -81,21 +80,17 @@ def timed(*args: str, env: dict, pin: bool = False) -> tuple[float, float]:
 
 
 def follow_latency(bootstrap: str, env: dict, tmp: Path, steps: int) -> list[float]:
-    from kafka import KafkaConsumer
-
-    from kafka.admin import KafkaAdminClient, NewTopic
+    from trainmon.kafka_client import Consumer, TopicPartition, create_topics
 
     prefix = env["TRAINMON_TOPIC_PREFIX"]
     # The broker stamps each message when it appends it (LogAppendTime): "on Kafka" is
     # that stamp, whatever the measuring consumer's own fetch timing adds.
-    admin = KafkaAdminClient(bootstrap_servers=bootstrap)
-    admin.create_topics([NewTopic(f"{prefix}step", num_partitions=4, replication_factor=1,
-                                  topic_configs={"message.timestamp.type": "LogAppendTime"})])
-    admin.close()
+    create_topics([f"{prefix}step"], 4, bootstrap=bootstrap,
+                  config={"message.timestamp.type": "LogAppendTime"})
     log = tmp / "live.log"
     log.touch()
-    consumer = KafkaConsumer(f"{prefix}step", bootstrap_servers=bootstrap, group_id=None,
-                             auto_offset_reset="earliest", enable_auto_commit=False)
+    consumer = Consumer(None, bootstrap=bootstrap)
+    consumer.assign({TopicPartition(f"{prefix}step", p): 0 for p in range(4)})
     follower = trainmon("--follow", str(log), "--run-id", "live", env=env,
                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     written: dict[int, float] = {}
@@ -128,12 +123,11 @@ def follow_latency(bootstrap: str, env: dict, tmp: Path, steps: int) -> list[flo
 
 
 def poll(consumer, arrived: dict, timeout_ms: int) -> None:
-    for batch in consumer.poll(timeout_ms=timeout_ms).values():
-        for message in batch:
-            for data in unpack(message.value):
-                record = decode("step", data)
-                if record.run_id == "live":
-                    arrived.setdefault(record.step, message.timestamp / 1000.0)
+    for message in consumer.poll(timeout_ms / 1000):
+        for data in unpack(message.value):
+            record = decode("step", data)
+            if record.run_id == "live":
+                arrived.setdefault(record.step, message.timestamp_ms / 1000.0)
 
 
 def main() -> int:

@@ -77,21 +77,18 @@ CONSUMER_TARGET_S = 15.0
 
 def watch_acknowledgements(producer) -> list[tuple[float | None, float]]:
     """Gaps in Kafka's acknowledgements, as (last ack before, first ack after) wall times;
-    the first acknowledgement of all is (None, t). Wraps the transport's delivery callback
-    (benchmark instrumentation, not API; it changes nothing the producer does)."""
-    transport = producer._worker._transport
-    delivered = transport._delivered
+    the first acknowledgement of all is (None, t). Uses the transport's ``on_ack`` hook
+    (instrumentation: it changes nothing the producer does)."""
     gaps: list[tuple[float | None, float]] = []
     last: list[float | None] = [None]
 
-    def on_ack(records, metadata):
+    def on_ack():
         now = time.time()
         if last[0] is None or now - last[0] >= ACK_GAP_S:
             gaps.append((last[0], now))
         last[0] = now
-        delivered(records, metadata)
 
-    transport._delivered = on_ack
+    producer._worker._transport.on_ack = on_ack
     return gaps
 
 

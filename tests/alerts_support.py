@@ -116,7 +116,10 @@ def service_env(bootstrap: str, **alert_settings) -> dict:
 
 
 def make_service(env: dict, prefix: str, state_dir: Path) -> AlertService:
-    config = load_config(env={**env, "TRAINMON_ALERT_STATE_DIR": str(state_dir)})
+    # A group of its own per test (per topic prefix): a static member rejoining a group
+    # under the same instance id gets its previous assignment back, another test's topics.
+    config = load_config(env={"TRAINMON_ALERT_GROUP_ID": f"{prefix}alerts", **env,
+                              "TRAINMON_ALERT_STATE_DIR": str(state_dir)})
     return AlertService(config, topic_prefix=prefix, env=env)
 
 
@@ -153,7 +156,7 @@ class BackgroundService:
         runs = {r.run_id: {"max_step": r.max_step, "clock": r.clock,
                            "ranks": {rs.rank: rs.last_step for rs in r.ranks.values()}}
                 for r in list(engine.runs.values())}
-        return f"stats={self.service.stats} ticks={self.service.ticks} runs={runs}"
+        return f"stats={self.service.stats} ticks={self.service.ticks} runs={runs} error={self.error!r}"
 
     def stop(self) -> None:
         self.service.stop.set()

@@ -1,5 +1,5 @@
 """Shared fixtures: one real Kafka broker per test session, producers that clean up,
-and a helper that reads topics back with a plain kafka-python consumer."""
+and a helper that reads topics back with a plain consumer (no group, no commits)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-from kafka import KafkaConsumer
 
 from trainmon import topics
 from trainmon.broker import Broker
+from trainmon.kafka_client import Consumer, Producer as RawProducer, TopicPartition
 from trainmon.producer import Producer, ProducerConfig
 from trainmon.schemas import decode, unpack
 
@@ -53,14 +53,15 @@ def make_producer(bootstrap, topic_prefix, tmp_path):
 
 def _read(bootstrap: str, topic: str, expected: int, timeout: float, items) -> list:
     """``items(message)`` of one topic from the beginning, until ``expected`` arrived."""
-    consumer = KafkaConsumer(topic, bootstrap_servers=bootstrap, auto_offset_reset="earliest",
-                             enable_auto_commit=False, group_id=None)
+    consumer = Consumer(None, bootstrap=bootstrap)
     out: list = []
     deadline = time.monotonic() + timeout
+    while not (partitions := consumer.partitions_for(topic)) and time.monotonic() < deadline:
+        time.sleep(0.2)  # the topic is not there yet
+    consumer.assign({TopicPartition(topic, p): 0 for p in partitions})
 
     def poll() -> None:
-        for batch in consumer.poll(timeout_ms=500).values():
-            out.extend(item for m in batch for item in items(m))
+        out.extend(item for m in consumer.poll(0.5) for item in items(m))
 
     try:
         while len(out) < expected and time.monotonic() < deadline:
@@ -69,6 +70,34 @@ def _read(bootstrap: str, topic: str, expected: int, timeout: float, items) -> l
     finally:
         consumer.close()
     return out
+
+
+def send_raw(bootstrap: str, messages: list[tuple[str, bytes | None, bytes, int | None]]) -> list[int]:
+    """Raw Kafka messages (topic, key, value, partition or None), past the producer's
+    checks (poison, hand-packed batches); their offsets once Kafka has them all."""
+    raw = RawProducer(bootstrap=bootstrap)
+    sent = [raw.send(topic, value, key=key, partition=partition) for topic, key, value, partition in messages]
+    assert raw.flush(30) and not any(d.failed for d in sent), [d.error for d in sent if d.failed]
+    return [d.offset for d in sent]
+
+
+def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, int | None]:
+    """The group's committed offset per partition of the topic (None: nothing committed)."""
+    consumer = Consumer(group, bootstrap=bootstrap)
+    try:
+        parts = [TopicPartition(topic, p) for p in consumer.partitions_for(topic)]
+        return {tp.partition: o for tp, o in consumer.committed(parts).items()}
+    finally:
+        consumer.close()
+
+
+def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
+    consumer = Consumer(None, bootstrap=bootstrap)
+    try:
+        parts = [TopicPartition(topic, p) for p in consumer.partitions_for(topic)]
+        return {tp.partition: o for tp, o in consumer.end_offsets(parts).items()}
+    finally:
+        consumer.close()
 
 
 def read_topic(bootstrap: str, topic: str, expected: int, timeout: float = 30.0) -> list:
@@ -85,3 +114,11 @@ def read_records(bootstrap: str, prefix: str, kind: str, expected: int, timeout:
 
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(params=["confluent-kafka", "kafka-python"])
+def both_clients(request, monkeypatch) -> str:
+    """Run a producer test once per transport (``pytestmark = usefixtures("both_clients")``):
+    librdkafka, the default, and kafka-python, the pure-Python fallback."""
+    monkeypatch.setenv("TRAINMON_KAFKA_CLIENT", request.param)
+    return request.param

@@ -10,7 +10,7 @@ import time
 import pytest
 from grafana_client.client import GrafanaClientError, GrafanaServerError
 
-from trainmon import kafka_config, topics
+from trainmon import topics
 from trainmon.consumers.alerts import AlertEngine, load_config
 from trainmon.consumers.alerts.alert_topic import AlertPublisher
 from trainmon.consumers.alerts.grafana import (Backoff, GrafanaAnnotations, GrafanaForwarder,
@@ -120,6 +120,7 @@ class ForwarderThread:
 
 def forwarder(bootstrap, prefix, url, token, **config_env) -> GrafanaForwarder:
     env = {"TRAINMON_KAFKA_BOOTSTRAP": bootstrap, "GRAFANA_URL": url, "GRAFANA_TOKEN": token,
+           "TRAINMON_ALERT_GRAFANA_GROUP_ID": f"{prefix}grafana",  # a group of its own per test
            **{f"TRAINMON_ALERT_{k.upper()}": str(v) for k, v in config_env.items()}}
     config = load_config(env=env)
     fwd = GrafanaForwarder.from_env(config, env=env)
@@ -129,8 +130,7 @@ def forwarder(bootstrap, prefix, url, token, **config_env) -> GrafanaForwarder:
 
 
 def publish(bootstrap, prefix, alerts):
-    publisher = AlertPublisher(kafka_config.client_settings({"TRAINMON_KAFKA_BOOTSTRAP": bootstrap}),
-                               topics.topic_for("alert", prefix))
+    publisher = AlertPublisher(topics.topic_for("alert", prefix), {"TRAINMON_KAFKA_BOOTSTRAP": bootstrap})
     assert publisher.publish(alerts)
     publisher.close()
 
@@ -191,7 +191,8 @@ def test_cli_runs_the_engine_and_the_grafana_forwarder(bootstrap, topic_prefix, 
     send(make_producer(), synthetic_run("cli", t0=past_t0(900), steps=30, mutate=nan_at(10)))
     env = {**os.environ, "TRAINMON_KAFKA_BOOTSTRAP": bootstrap, "TRAINMON_TOPIC_PREFIX": topic_prefix,
            "TRAINMON_ALERT_STATE_DIR": str(tmp_path / "state"), "GRAFANA_URL": grafana.url,
-           "GRAFANA_TOKEN": TOKEN}
+           "GRAFANA_TOKEN": TOKEN, "TRAINMON_ALERT_GROUP_ID": f"{topic_prefix}alerts",
+           "TRAINMON_ALERT_GRAFANA_GROUP_ID": f"{topic_prefix}grafana"}
     done = subprocess.run([sys.executable, "-m", "trainmon", "consume", "alerts", "--exit-when-idle", "3"],
                           env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr

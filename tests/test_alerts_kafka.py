@@ -14,14 +14,13 @@ import math
 import uuid
 
 import pytest
-from kafka import KafkaProducer
 
 from trainmon import topics
 from trainmon.consumers.alerts.config import Rules
 from trainmon.producer import Producer, ProducerConfig
 
 from .alerts_support import past_t0, run_until_idle, send, service_env, synthetic_run
-from .conftest import read_records, read_topic
+from .conftest import read_records, read_topic, send_raw
 from .test_alerts_rules import TEST_SETTINGS, Scenario, at
 
 S = 50
@@ -64,11 +63,7 @@ def alerts_by_run(kafka_broker, tmp_path_factory):
                                          eval_every=sc.bad_run.get("eval_every", 0)))
     finally:
         producer.close()
-    raw = KafkaProducer(bootstrap_servers=bootstrap)
-    for bad in GARBAGE:
-        raw.send(topics.topic_for("step", prefix), key=b"garbage/0", value=bad)
-    raw.flush()
-    raw.close()
+    send_raw(bootstrap, [(topics.topic_for("step", prefix), b"garbage/0", bad, None) for bad in GARBAGE])
     env = service_env(bootstrap, **TEST_SETTINGS)
     service = run_until_idle(env, prefix, tmp / "state", idle_s=2.0)
     assert service.stats["errors"] == 0
@@ -101,7 +96,8 @@ def test_anomaly_fires_at_the_right_step(alerts_by_run, rule):
 def test_bad_input_is_dead_lettered_and_the_rules_carry_on(alerts_by_run):
     letters = alerts_by_run["__deadletters__"]
     assert len(letters) == len(GARBAGE)
-    assert {d["consumer"] for d in letters} == {"trainmon-alerts"}
+    prefix = letters[0]["topic"].rsplit(".", 1)[0] + "."
+    assert {d["consumer"] for d in letters} == {f"{prefix}alerts"}  # the service's group
     assert any("not JSON" in d["error"] for d in letters)
     assert any("step" in d["error"] for d in letters)  # names the missing field
 

@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import subprocess
@@ -21,9 +20,7 @@ import threading
 import time
 from collections import Counter
 from datetime import datetime, timezone
-from pathlib import Path
 
-import pytest
 
 import trainmon.producer as tm
 from trainmon.ingest.warnings import classify, signature

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import threading
 
-from kafka import KafkaConsumer, TopicPartition
 
 from trainmon import topics
 
 from .clickhouse_service import ClickHouseService, run_trainmon
 from .clickhouse_service import kill_leftover_services  # noqa: F401 (autouse fixture)
+from .conftest import committed_offsets
 
 RANKS, STEPS = 4, 240
 
@@ -36,14 +36,6 @@ def produce(make_producer, steps: range) -> None:
     for p in producers:
         assert p.flush(30)
 
-
-def committed_offsets(bootstrap, group, topic):
-    consumer = KafkaConsumer(bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False)
-    try:
-        return {p: consumer.committed(TopicPartition(topic, p))
-                for p in consumer.partitions_for_topic(topic)}
-    finally:
-        consumer.close()
 
 
 def test_kill_9_then_restart_loads_every_step_exactly_once(bootstrap, topic_prefix, make_producer, tmp_path):

@@ -14,7 +14,6 @@ from datetime import datetime, timedelta, timezone
 
 import pytest
 from clickhouse_connect.driver.exceptions import DatabaseError, DataError, OperationalError
-from kafka import KafkaProducer
 from pydantic import ValidationError
 
 from trainmon import topics
@@ -23,7 +22,7 @@ from trainmon.schemas import EvalRecord, StepRecord, encode, pack
 
 from .clickhouse_service import ClickHouseService, run_trainmon
 from .clickhouse_service import kill_leftover_services  # noqa: F401 (autouse fixture)
-from .conftest import read_topic
+from .conftest import read_topic, send_raw
 
 START = datetime(2010, 1, 15, 12, 0, tzinfo=timezone.utc)
 
@@ -45,11 +44,7 @@ def evals(n: int) -> list[EvalRecord]:
 
 
 def send(bootstrap: str, messages: list[tuple[str, int, bytes]]) -> None:
-    raw = KafkaProducer(bootstrap_servers=bootstrap)
-    for topic, partition, value in messages:
-        raw.send(topic, key=b"months", value=value, partition=partition)
-    raw.flush()
-    raw.close()
+    send_raw(bootstrap, [(topic, b"months", value, partition) for topic, partition, value in messages])
 
 
 def test_a_batch_over_150_months_loads_and_absurd_times_are_dead_lettered(

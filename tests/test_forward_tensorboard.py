@@ -73,7 +73,7 @@ def test_tensorboard_resumes_from_committed_offsets_without_duplicates(
             messages = crashing.poll_batch()
             if messages:
                 crashing.handle(messages)
-    crashing.stream.consumer.close(autocommit=False)
+    crashing.stream.consumer.close()
     sink.close()
 
     # The same group again: nothing was committed, so it re-reads all; the marks skip it.

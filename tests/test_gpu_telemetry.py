@@ -8,7 +8,6 @@ import logging
 import sys
 import time
 
-import pytest
 
 from tests.conftest import read_records
 from trainmon.integrations.nvml import (GpuSampler, NvmlReading, _own_device, cuda_version_text,

@@ -119,9 +119,15 @@ def test_hf_trainer_nan_grad_norm_without_bars_counts_log_events():
 
 def test_hf_trainer_without_grad_norm_between_deepspeed_overflow_lines():
     session, records = ingest(raw_lines("hf-trainer-deepspeed-fp16*.log"))
-    (step,) = of_kind(records, "step")
-    assert (step.step, step.loss, step.epoch) == (380, 2.0491, 0.28)
-    assert step.norm is None  # this Trainer version logged no grad norm
+    steps = of_kind(records, "step")
+    (logged,) = [s for s in steps if s.loss is not None]
+    assert (logged.step, logged.loss, logged.epoch) == (380, 2.0491, 0.28)
+    assert logged.norm is None  # this Trainer version logged no grad norm
+    # "[deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 64, reducing to 32"
+    # after bar 378, then 32 -> 16 at 379, 16 -> 8 at 380, 8 -> 4 at 381, 4 -> 2 at 382.
+    skipped = [(s.step, s.loss_scale, s.skipped, s.loss) for s in steps if s.loss is None]
+    assert skipped == [(378, 32.0, 1, None), (379, 16.0, 1, None), (380, 8.0, 1, None),
+                       (381, 4.0, 1, None), (382, 2.0, 1, None)]
 
 
 def test_hf_trainer_line_numbered_paste_and_plain_dicts():

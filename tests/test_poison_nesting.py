@@ -11,7 +11,6 @@ import json
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from kafka import KafkaProducer
 
 from trainmon import topics
 from trainmon.consumers import stream as stream_module
@@ -20,7 +19,7 @@ from trainmon.schemas import DecodeError, StepRecord, decode, encode, pack
 
 from .clickhouse_service import ClickHouseService
 from .clickhouse_service import kill_leftover_services  # noqa: F401 (autouse fixture)
-from .conftest import read_topic
+from .conftest import read_topic, send_raw
 
 DEEP = b"[" * 100_000
 T0 = datetime(2026, 3, 1, 12, 0, tzinfo=timezone.utc)
@@ -49,9 +48,7 @@ def test_any_exception_while_decoding_dead_letters_that_record_only(bootstrap, t
 
     monkeypatch.setattr(stream_module, "decode", flaky)
     step_topic = topics.topic_for("step", topic_prefix)
-    raw = KafkaProducer(bootstrap_servers=bootstrap)
-    raw.send(step_topic, key=b"k", value=pack([encode(good_step(i)) for i in range(3)])).get(30)
-    raw.close()
+    send_raw(bootstrap, [(step_topic, b"k", pack([encode(good_step(i)) for i in range(3)]), None)])
     stream = RecordStream(f"{topic_prefix}deep", ["step"], topic_prefix=topic_prefix,
                           env={"TRAINMON_KAFKA_BOOTSTRAP": bootstrap})
     try:
@@ -71,11 +68,10 @@ def test_any_exception_while_decoding_dead_letters_that_record_only(bootstrap, t
 
 def test_deeply_nested_message_is_dead_lettered_and_the_service_goes_on(bootstrap, topic_prefix, tmp_path):
     step_topic = topics.topic_for("step", topic_prefix)
-    raw = KafkaProducer(bootstrap_servers=bootstrap)
+    raw = []
     for value in [encode(good_step(0)), DEEP, encode(good_step(1)), pack([encode(good_step(2)), DEEP])]:
-        raw.send(step_topic, key=b"deep-run/0", value=value, partition=0)
-    raw.flush()
-    raw.close()
+        raw.append((step_topic, b"deep-run/0", value, 0))
+    send_raw(bootstrap, raw)
 
     service = ClickHouseService(bootstrap, topic_prefix, tmp_path / "chdb", tmp_path / "svc.log").start()
     try:

@@ -13,6 +13,9 @@ from trainmon.producer import Producer, ProducerConfig
 
 from .conftest import read_records
 
+# Round trips and outages on both transports: librdkafka and the kafka-python fallback.
+pytestmark = pytest.mark.usefixtures("both_clients")
+
 OUTAGE_S = 25  # well past the producer's delivery timeout: batches expire during it
 
 

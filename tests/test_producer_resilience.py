@@ -12,6 +12,9 @@ from trainmon.producer import Producer, ProducerConfig
 
 from .conftest import read_records
 
+# Round trips and outages on both transports: librdkafka and the kafka-python fallback.
+pytestmark = pytest.mark.usefixtures("both_clients")
+
 
 @pytest.fixture
 def own_broker(tmp_path):
@@ -92,8 +95,9 @@ def test_records_spilled_at_exit_are_sent_by_the_next_producer(own_broker, tmp_p
 
 
 def test_records_kafka_gives_up_on_are_spilled_and_sent_later(own_broker, tmp_path):
-    """Records already handed to kafka-python when the broker dies come back through its
-    errbacks (batches aborted at close) into the spill file, and the next producer sends them."""
+    """Records already handed to the client when the broker dies come back through its
+    delivery reports (messages purged at close) into the spill file, and the next producer
+    sends them."""
     own_broker.start()
     spill = tmp_path / "spill"
     config = dict(bootstrap=own_broker.bootstrap, run_id="abort", rank=0, topic_prefix="a.",
@@ -104,7 +108,9 @@ def test_records_kafka_gives_up_on_are_spilled_and_sent_later(own_broker, tmp_pa
     own_broker.stop()
     for step in range(1, 31):
         first.log_step(step, **step_fields(step))
-    time.sleep(0.5)  # the worker hands them to kafka-python, whose metadata is still cached
+    deadline = time.monotonic() + 4  # within the 5 s delivery timeout
+    while first._worker.sent < 31 and time.monotonic() < deadline:
+        time.sleep(0.02)  # the worker hands them to the client, whose metadata is still cached
     assert first._worker.sent == 31 and first.spilled == 0
     assert not first.close(timeout=2)
     assert first.spilled == 30, "aborted batches should be spilled, record by record counted"
@@ -132,9 +138,9 @@ def test_a_record_too_large_for_kafka_is_rejected_by_name_and_holds_nothing_back
 
 def test_a_small_max_request_size_sends_packed_records_one_per_message(
         make_producer, bootstrap, topic_prefix):
-    # kafka-python refuses a 9 kB packed message before sending it: its records go again
+    # The client refuses a 9 kB packed message before sending it: its records go again
     # one per message; a record over the limit by itself is rejected by name up front.
-    producer = make_producer(compression=None, kafka={"max_request_size": 3000})
+    producer = make_producer(compression=None, max_message_bytes=3000)
     for step in range(30):
         timers = {f"phase-{i}": 1.0 for i in range(200)} if step == 7 else None  # ~3.4 kB
         producer.log_step(step, timers=timers, **step_fields(step))

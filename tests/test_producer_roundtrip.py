@@ -2,12 +2,17 @@
 
 import math
 
+import pytest
+
 from trainmon import topics
 from trainmon.producer.worker import pack_messages
 from trainmon.schemas import MAX_MESSAGE_BYTES, MAX_RECORDS_PER_MESSAGE, RECORD_TYPES, encode, unpack
 
 from .conftest import read_records
 from .samples import log_one_of_each
+
+# Round trips and outages on both transports: librdkafka and the kafka-python fallback.
+pytestmark = pytest.mark.usefixtures("both_clients")
 
 LOGGED_KINDS = [k for k in RECORD_TYPES if k != "alert"]
 

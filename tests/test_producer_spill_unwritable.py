@@ -20,8 +20,7 @@ def test_unwritable_spill_and_no_broker_never_raise_and_count_the_drop(tmp_path,
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("a file where the spill directory should be")
     producer = Producer(ProducerConfig(bootstrap=f"127.0.0.1:{closed_port()}", run_id="no-disk",
-                                       spill_dir=blocker / "spill", queue_size=500,
-                                       kafka={"max_block_ms": 200}))
+                                       spill_dir=blocker / "spill", queue_size=500))
     caplog.set_level(logging.ERROR, logger="trainmon.producer")
     logged = 5_000
     for step in range(logged):  # never raises, whatever the sender thread meets

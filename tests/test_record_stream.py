@@ -3,11 +3,11 @@
 import uuid
 from datetime import datetime, timezone
 
-from kafka import KafkaProducer
-
 from trainmon import topics
 from trainmon.consumers.stream import RecordStream
 from trainmon.schemas import MAX_RECORDS_PER_MESSAGE, StepRecord, encode, pack
+
+from .conftest import send_raw
 
 
 def steps(first: int, n: int) -> list[bytes]:
@@ -21,14 +21,11 @@ def test_polls_keep_to_their_record_budget_over_packed_and_single_messages(
         kafka_broker, bootstrap, topic_prefix):
     topic = topics.topic_for("step", topic_prefix)
     kafka_broker.create_topics([topic])
-    raw = KafkaProducer(bootstrap_servers=bootstrap)
     packed = steps(0, 6 * MAX_RECORDS_PER_MESSAGE)
-    for i in range(0, len(packed), MAX_RECORDS_PER_MESSAGE):
-        raw.send(topic, key=b"rs/0", value=pack(packed[i:i + MAX_RECORDS_PER_MESSAGE]), partition=0)
-    for value in steps(len(packed), 50):  # then a trickle: one record per message
-        raw.send(topic, key=b"rs/0", value=value, partition=0)
-    raw.flush()
-    raw.close()
+    raw = [(topic, b"rs/0", pack(packed[i:i + MAX_RECORDS_PER_MESSAGE]), 0)
+           for i in range(0, len(packed), MAX_RECORDS_PER_MESSAGE)]
+    raw += [(topic, b"rs/0", value, 0) for value in steps(len(packed), 50)]  # then a trickle
+    send_raw(bootstrap, raw)
 
     stream = RecordStream(f"rs-{uuid.uuid4().hex[:6]}", ["step"], topic_prefix=topic_prefix,
                           env={"TRAINMON_KAFKA_BOOTSTRAP": bootstrap})

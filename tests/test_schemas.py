@@ -108,5 +108,13 @@ def test_kafka_security_settings_pass_through():
                                    "TRAINMON_KAFKA_SASL_USERNAME": "u",
                                    "TRAINMON_KAFKA_SASL_PASSWORD": "p"})
     assert cfg.bootstrap == "a:1,b:2"
-    assert cfg.kafka == {"security_protocol": "SASL_SSL", "sasl_mechanism": "PLAIN",
-                         "sasl_plain_username": "u", "sasl_plain_password": "p"}
+    from trainmon.kafka_client import settings
+
+    rd = settings.librdkafka(cfg.kafka, cfg.bootstrap)
+    assert {k: rd[k] for k in ("bootstrap.servers", "security.protocol", "sasl.mechanism",
+                                "sasl.username", "sasl.password")} == {
+        "bootstrap.servers": "a:1,b:2", "security.protocol": "SASL_SSL", "sasl.mechanism": "PLAIN",
+        "sasl.username": "u", "sasl.password": "p"}
+    assert settings.kafka_python(cfg.kafka, cfg.bootstrap) == {
+        "bootstrap_servers": ["a:1", "b:2"], "security_protocol": "SASL_SSL",
+        "sasl_mechanism": "PLAIN", "sasl_plain_username": "u", "sasl_plain_password": "p"}

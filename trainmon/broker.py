@@ -180,20 +180,13 @@ class Broker:
         raise TimeoutError(f"Kafka broker not ready on {self.bootstrap} after {timeout:.0f}s")
 
     def _metadata_ready(self) -> bool:
-        from kafka import KafkaAdminClient
-        from kafka.errors import KafkaError
+        from .kafka_client import KafkaError, list_topics
 
         try:
-            admin = KafkaAdminClient(bootstrap_servers=self.bootstrap, request_timeout_ms=2000)
-        except (KafkaError, OSError):
-            return False
-        try:
-            admin.list_topics()
+            list_topics(bootstrap=self.bootstrap, timeout_s=2)
             return True
-        except (KafkaError, OSError):
+        except KafkaError:
             return False
-        finally:
-            admin.close()
 
     def stop(self, timeout: float = 30.0, kill: bool = False) -> None:
         pid = self.pid()
@@ -213,21 +206,9 @@ class Broker:
             time.sleep(0.1)
 
     def create_topics(self, names: list[str], partitions: int | None = None) -> None:
-        from kafka import KafkaAdminClient
-        from kafka.admin import NewTopic
-        from kafka.errors import TopicAlreadyExistsError
+        from .kafka_client import create_topics
 
-        admin = KafkaAdminClient(bootstrap_servers=self.bootstrap)
-        try:
-            existing = set(admin.list_topics())
-            new = [NewTopic(n, partitions or self.partitions, 1) for n in names if n not in existing]
-            if new:
-                try:
-                    admin.create_topics(new)
-                except TopicAlreadyExistsError:
-                    pass
-        finally:
-            admin.close()
+        create_topics(names, partitions or self.partitions, bootstrap=self.bootstrap)
 
 
 def _reap(pid: int) -> None:

@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from kafka import TopicPartition
-
+from ..kafka_client import TopicPartition
 from ..schemas import (DatasetRecord, GpuModelRecord, Record, RunRecord)
 from .metric_names import STEP_KINDS, stream_key
 from .stream import Message, RecordStream, stop_on_signals

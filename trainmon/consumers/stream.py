@@ -18,13 +18,11 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from kafka import ConsumerRebalanceListener, KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.structs import OffsetAndMetadata
-
-from .. import kafka_config, topics
+from .. import topics
+from ..kafka_client import Consumer, KafkaError, Producer, TopicPartition
 from ..schemas import MAX_RECORDS_PER_MESSAGE, RECORD_TYPES, DecodeError, Record, decode, unpack
 from . import membership
-from .watchdog import KafkaCallWatchdog
+from .topic_setup import ensure_topics
 
 log = logging.getLogger("trainmon.consumers")
 _REPORTED_PREFIXES: set[str] = set()
@@ -57,7 +55,7 @@ class RecordStream:
         self.prefix = topics.prefix() if topic_prefix is None else topic_prefix
         self.kinds = list(kinds or RECORD_TYPES)
         self.dead_letters = 0
-        self._settings = kafka_config.client_settings(env)
+        self._env = env
         # Static membership by default (see .membership): a restarted service gets its
         # partitions back at once. An explicit group_instance_id (None: dynamic) wins.
         if "group_instance_id" in consumer_settings:
@@ -65,30 +63,17 @@ class RecordStream:
         else:
             self._instance = membership.claim(group_id, env)
         self.instance_id = self._instance.value
-        # fetch_max_bytes is the hard bound on one poll: 8 MiB is ~30k records of ~300 bytes.
-        settings = dict(self._settings, group_id=group_id, enable_auto_commit=False,
-                        auto_offset_reset="earliest", max_poll_records=self.MAX_RECORDS,
-                        fetch_max_bytes=8 * 1024 * 1024, group_instance_id=self.instance_id,
-                        # After a broker outage the service reconnects within a second
-                        # (kafka-python's default backoff grows to 30 s: a 5-minute outage
-                        # left the loader idle ~48 s after the broker was back).
-                        reconnect_backoff_max_ms=1000,
-                        **consumer_settings)
         try:
-            self.consumer = KafkaConsumer(**settings)
+            self.consumer = Consumer(group_id, env=env, instance_id=self.instance_id, **consumer_settings)
         except BaseException:
             self._instance.release()
             raise
-        self._watchdog = KafkaCallWatchdog.from_env(env, name=group_id)
-        self._dlq: KafkaProducer | None = None
+        self._dlq: Producer | None = None
         # Start from the most a message can pack: a first poll too small, never too big.
         self._records_per_message = float(MAX_RECORDS_PER_MESSAGE)
-        listener = _Rebalance(on_assign, on_revoke) if on_assign or on_revoke else None
-        topic_names = [topics.topic_for(k, self.prefix) for k in self.kinds]
-        if listener:
-            self.consumer.subscribe(topic_names, listener=listener)
-        else:
-            self.consumer.subscribe(topic_names)
+        self.topic_names = [topics.topic_for(k, self.prefix) for k in self.kinds]
+        ensure_topics([*self.topic_names, topics.topic_for(topics.DEADLETTER, self.prefix)], env)
+        self.consumer.subscribe(self.topic_names, on_assign=on_assign, on_revoke=on_revoke)
         log.info("trainmon: %s joins as %s", group_id,
                  f"static member {self.instance_id}" if self.instance_id else "a dynamic member")
         self._report_uncovered_topics()
@@ -100,8 +85,7 @@ class RecordStream:
             return
         _REPORTED_PREFIXES.add(self.prefix)
         try:
-            with self._watchdog.watch("topics"):
-                existing = self.consumer.topics()
+            existing = self.consumer.topics()
         except Exception as exc:  # a start-up nicety: never a reason not to start
             log.debug("trainmon: could not list topics: %s", exc)
             return
@@ -114,31 +98,27 @@ class RecordStream:
 
     def poll(self, timeout_ms: int = 500, max_records: int | None = None) -> list[Message]:
         """Records polled within ``timeout_ms``: about ``max_records`` at most (whole Kafka
-        messages, so a poll can overshoot by one message's worth or by a misjudged guess,
-        within fetch_max_bytes)."""
-        # kafka-python counts Kafka messages, which pack records: ask for as many messages
-        # as the last poll's records per message suggest.
+        messages: a message packs up to ``schemas.MAX_RECORDS_PER_MESSAGE`` records)."""
+        # Kafka counts messages, which pack records: ask for as many messages as the last
+        # poll's records per message suggest.
         wanted = max(1, int(min(max_records or self.MAX_RECORDS, self.MAX_RECORDS)
                             / self._records_per_message))
-        with self._watchdog.watch("poll"):
-            batches = self.consumer.poll(timeout_ms=timeout_ms, max_records=wanted)
+        raw = self.consumer.poll(timeout_ms / 1000, max_messages=wanted)
         messages: list[Message] = []
-        fetched = sum(len(records) for records in batches.values())
-        for tp, records in batches.items():
-            kind = topics.kind_of(tp.topic, self.prefix)
-            for m in records:
-                for index, value in enumerate(unpack(m.value or b"")):
-                    message = Message(kind, tp.topic, tp.partition, m.offset, m.key, value, index=index)
-                    try:
-                        message.record = decode(kind, value)
-                    except Exception as exc:  # noqa: BLE001 -- one record's problem, never the consumer's
-                        reason = exc.reason if isinstance(exc, DecodeError) else \
-                            f"cannot decode: {type(exc).__name__}: {exc}"[:500]
-                        self.dead_letter(message, reason)
-                        continue
-                    messages.append(message)
-        if fetched:
-            self._records_per_message = max(1.0, len(messages) / fetched)
+        for m in raw:
+            kind = topics.kind_of(m.topic, self.prefix)
+            for index, value in enumerate(unpack(m.value or b"")):
+                message = Message(kind, m.topic, m.partition, m.offset, m.key, value, index=index)
+                try:
+                    message.record = decode(kind, value)
+                except Exception as exc:  # noqa: BLE001 -- one record's problem, never the consumer's
+                    reason = exc.reason if isinstance(exc, DecodeError) else \
+                        f"cannot decode: {type(exc).__name__}: {exc}"[:500]
+                    self.dead_letter(message, reason)
+                    continue
+                messages.append(message)
+        if raw:
+            self._records_per_message = max(1.0, len(messages) / len(raw))
         return messages
 
     def dead_letter(self, message: Message, error: str) -> None:
@@ -148,7 +128,7 @@ class RecordStream:
             log.warning("trainmon: dead-lettering %s[%d]@%d#%d: %s", message.topic,
                         message.partition, message.offset, message.index, error)
         if self._dlq is None:
-            self._dlq = KafkaProducer(**self._settings, linger_ms=5)
+            self._dlq = Producer(env=self._env)
         body = {
             "consumer": self.group_id,
             "topic": message.topic,
@@ -159,8 +139,8 @@ class RecordStream:
             "key": message.key.decode("utf-8", "replace") if message.key else None,
             "value_base64": base64.b64encode(message.value or b"").decode(),
         }
-        self._dlq.send(topics.topic_for(topics.DEADLETTER, self.prefix), key=message.key,
-                       value=json.dumps(body).encode())
+        self._dlq.send(topics.topic_for(topics.DEADLETTER, self.prefix), json.dumps(body).encode(),
+                       key=message.key)
 
     def commit(self, messages: Iterable[Message] | None = None, offsets: dict | None = None) -> None:
         """Commit the next offset after the given messages (or explicit offsets)."""
@@ -169,45 +149,26 @@ class RecordStream:
             for m in messages or ():
                 tp = TopicPartition(m.topic, m.partition)
                 offsets[tp] = max(offsets.get(tp, -1), m.offset + 1)
-        if self._dlq is not None:
-            self._dlq.flush(10)  # dead letters are durable before their offsets are committed
-        if offsets:
-            with self._watchdog.watch("commit"):
-                self.consumer.commit({tp: OffsetAndMetadata(o, "", -1) for tp, o in offsets.items()})
+        self._settle_dead_letters()
+        self.consumer.commit(offsets)
 
     def commit_polled(self) -> None:
         """Commit the positions of everything polled so far (dead letters included)."""
-        if self._dlq is not None:
-            self._dlq.flush(10)
-        with self._watchdog.watch("commit"):
-            self.consumer.commit()
+        self._settle_dead_letters()
+        self.consumer.commit_consumed()
+
+    def _settle_dead_letters(self) -> None:
+        # Dead letters are durable before their offsets are committed.
+        if self._dlq is not None and not self._dlq.flush(10):
+            raise KafkaError("dead letters not acknowledged by Kafka within 10 s", retriable=True)
 
     def close(self) -> None:
         try:
             if self._dlq is not None:
                 self._dlq.close(5)
-            with self._watchdog.watch("close"):
-                self.consumer.close(autocommit=False)
-            self._watchdog.close()
+            self.consumer.close()
         finally:
             self._instance.release()  # only now may another process take this instance id
-
-
-class _Rebalance(ConsumerRebalanceListener):
-    def __init__(self, on_assign, on_revoke=None):
-        self._on_assign = on_assign
-        self._on_revoke = on_revoke
-
-    def on_partitions_revoked(self, revoked):
-        # A consumer that buffers writes settles them here, before another member
-        # takes the partitions over. kafka-python 3 calls this on its IO thread, where
-        # blocking Kafka calls (commit, committed) raise.
-        if self._on_revoke:
-            self._on_revoke(list(revoked))
-
-    def on_partitions_assigned(self, assigned):
-        if self._on_assign:
-            self._on_assign(list(assigned))
 
 
 def stop_on_signals() -> threading.Event:

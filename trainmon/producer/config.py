@@ -10,7 +10,9 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import kafka_config, topics
+from .. import topics
+from ..kafka_client import settings as kafka_settings
+from ..kafka_client.transport import choose_client
 
 
 def _flag(value: str | None) -> bool:
@@ -49,14 +51,17 @@ def default_compression() -> str:
 
 @dataclass
 class ProducerConfig:
-    bootstrap: str = kafka_config.DEFAULT_BOOTSTRAP
+    bootstrap: str = kafka_settings.DEFAULT_BOOTSTRAP
     run_id: str = ""
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
     host: str = field(default_factory=socket.gethostname)
     topic_prefix: str = topics.DEFAULT_PREFIX
-    kafka: dict = field(default_factory=dict)  # extra kafka-python settings (security)
+    # TRAINMON_KAFKA_* security settings (SASL / SSL), by env var name: see kafka_client.settings
+    kafka: dict = field(default_factory=dict)
+    client: str = field(default_factory=choose_client)  # confluent-kafka, or kafka-python
+    max_message_bytes: int = 1_000_000  # one Kafka message at most (the broker's default limit)
     strict: bool = False
     enabled: bool = True
     log_file: str | None = None
@@ -74,16 +79,16 @@ class ProducerConfig:
     @classmethod
     def from_env(cls, env=None, **overrides) -> "ProducerConfig":
         env = os.environ if env is None else env
-        settings = kafka_config.client_settings(env)
         spill_dir = env.get("TRAINMON_SPILL_DIR")
         cfg = cls(
-            bootstrap=",".join(settings.pop("bootstrap_servers")),
+            bootstrap=kafka_settings.bootstrap_servers(env),
             run_id=default_run_id(env),
             rank=int(env.get("RANK", 0)),
             world_size=int(env.get("WORLD_SIZE", 1)),
             local_rank=int(env.get("LOCAL_RANK", 0)),
             topic_prefix=env.get("TRAINMON_TOPIC_PREFIX", topics.DEFAULT_PREFIX),
-            kafka=settings,
+            kafka=kafka_settings.security_from(env),
+            client=choose_client(env),
             strict=_flag(env.get("TRAINMON_STRICT")),
             enabled=not _flag(env.get("TRAINMON_DISABLED")),
             log_file=env.get("TRAINMON_LOG_FILE") or None,

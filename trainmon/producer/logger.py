@@ -36,15 +36,11 @@ from ..schemas import (AllocatorRecord, CheckpointRecord, DatasetRecord, DiskRec
 from .config import ProducerConfig
 from .disk import DiskSampler
 from .surogate import ConsoleLine, JsonLogFile
-from .transport import KafkaTransport, kafka_settings
+from ..kafka_client.transport import TransportSettings, make_transport
 from .worker import Worker
 
 log = logging.getLogger("trainmon.producer")
 UTC = timezone.utc
-
-# kafka-python logs every refused connection at ERROR; during a broker outage that would
-# flood the training job's console. trainmon reports outages itself in one line.
-logging.getLogger("kafka").setLevel(os.environ.get("TRAINMON_KAFKA_LOG_LEVEL", "CRITICAL").upper())
 
 # The envelope's fields are filled in by the producer; passed to a log call they are refused.
 ENVELOPE_FIELDS = frozenset(Record.model_fields)
@@ -104,13 +100,16 @@ class Producer:
             observers.append(self._log_file)
         if cfg.console and cfg.rank == 0:
             observers.append(ConsoleLine())
-        settings = kafka_settings(cfg.bootstrap, cfg.kafka, linger_ms=cfg.linger_ms,
-                                  batch_size=cfg.batch_size, compression=cfg.compression)
-        self._worker = Worker(lambda on_undelivered: KafkaTransport(settings, on_undelivered),
+        # The worker lingers to gather records logged together; librdkafka then sends
+        # at once what it is given.
+        settings = TransportSettings(cfg.bootstrap, cfg.kafka, linger_ms=min(cfg.linger_ms, 5),
+                                     batch_bytes=cfg.batch_size, max_message_bytes=cfg.max_message_bytes,
+                                     compression=cfg.compression)
+        self._worker = Worker(lambda on_undelivered: make_transport(cfg.client, settings, on_undelivered),
                               cfg.spill_dir, f"{_safe(cfg.run_id)}.{cfg.rank}",
                               queue_size=cfg.queue_size, yield_to_caller=cfg.yield_to_caller,
-                              observers=observers,
-                              max_record_bytes=settings.get("max_request_size", 1 << 20) - 1024,
+                              linger_s=cfg.linger_ms / 1000, observers=observers,
+                              max_record_bytes=cfg.max_message_bytes - 1024,
                               on_reject=lambda record, reason: self._reject(record.kind, reason))
         self_ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: (p := self_ref()) and p._new_id_prefix())

@@ -4,6 +4,11 @@ The calling (training) thread only appends to a deque. The worker thread seriali
 hands records to the transport, and when the broker is unreachable moves them to the
 spill file instead of holding them in memory, retrying with backoff. Modelled on the
 Sentry SDK's worker: never block the caller, flush at exit.
+
+No polling when there is nothing to do: the thread sleeps until a record arrives in an
+empty queue, then lingers ``linger_s`` so that records logged together (a step, its GPU
+samples) leave as one message. While Kafka has not answered it wakes every few ms to
+collect the answers; while records wait in the spill file, at their retry time.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ from typing import Any, Callable
 
 from ..schemas import MAX_MESSAGE_BYTES, MAX_RECORDS_PER_MESSAGE, Record, count, encode, pack
 from ..schemas.jsonsafe import json_safe
+from ..kafka_client.errors import TransportUnavailable
 from .spill import Entry, SpillFile, claim_orphans
-from .transport import TransportUnavailable
 
 log = logging.getLogger("trainmon.producer")
 
@@ -30,8 +35,7 @@ Observer = Callable[[Record], None]
 Rejecter = Callable[[Record, str], None]
 
 
-_WAKE_AT = 2000  # queued records that wake the worker before its next tick
-_TICK_S = 0.02
+_ANSWER_POLL_S = 0.005  # while Kafka has messages unanswered
 _YIELD_EVERY = 16  # records encoded between two GIL hand-backs to the training thread
 
 
@@ -48,10 +52,11 @@ class _Stop:
 
 class Worker:
     def __init__(self, make_transport, spill_dir, spill_name: str, queue_size: int = 100_000,
-                 yield_to_caller: bool = True,
+                 yield_to_caller: bool = True, linger_s: float = 0.02,
                  observers: list[Observer] | None = None, max_record_bytes: int = 1_000_000,
                  on_reject: Rejecter | None = None):
         self._make_transport = make_transport
+        self._linger_s = linger_s
         # A training loop wants the GIL back promptly; a bulk source (trainmon ingest),
         # whose own thread only produces records, is faster without the hand-backs.
         self._yield_to_caller = yield_to_caller
@@ -107,9 +112,10 @@ class Worker:
                 self._keep([entry])
             return
         self._items.append((topic, key, record))
-        # The worker drains on its own every few ms; waking it per record would make it
-        # take the GIL from the training thread right in the middle of the log call.
-        if len(self._items) == _WAKE_AT:
+        # Wake the worker when this record made the queue non-empty; it lingers, then
+        # takes everything queued by then. (It clears the event before draining, so a
+        # record appended after its last look always finds the queue empty again.)
+        if len(self._items) == 1:
             self._wakeup.set()
 
     def _start(self) -> None:
@@ -165,10 +171,22 @@ class Worker:
             except Exception:  # last resort: this thread is every later record's way to Kafka
                 log.exception("trainmon: the producer's sender thread hit an error; it goes on")
 
+    def _sleep_for(self) -> float | None:
+        """How long the thread may sleep with nothing queued; None: until woken."""
+        if self._transport.in_flight:
+            return _ANSWER_POLL_S
+        if self._spill.count:
+            return max(0.01, self._retry_at - time.monotonic())
+        return None
+
     def _tick(self) -> bool:
         """Encode and deliver what is queued; True when told to stop."""
-        self._wakeup.wait(_TICK_S)
+        woken = self._wakeup.wait(self._sleep_for())
+        if woken and self._linger_s and not isinstance(self._items[-1] if self._items else None,
+                                                       (_Flush, _Stop)):
+            time.sleep(self._linger_s)  # let records logged together join this one
         self._wakeup.clear()
+        self._transport.serve()
         entries: list[Entry] = []
         while self._items:
             item = self._items.popleft()
@@ -188,6 +206,7 @@ class Worker:
             self._finish_flush(item)
         if entries or (self._spill.count and time.monotonic() >= self._retry_at):
             self._deliver(entries)
+        self._transport.serve()
         return False
 
     def _encode(self, item: tuple) -> Entry | None:
@@ -252,7 +271,9 @@ class Worker:
         """Kafka gave up on these (no acknowledgement within the delivery timeout: the
         broker is away): on disk, and no new sends until the backoff has passed, so the
         spill file is not handed straight back to a client that cannot deliver it.
-        Runs on the Kafka client's thread."""
+        Runs where the client reports deliveries (the worker's thread for librdkafka,
+        kafka-python's own thread). They were counted as sent when handed over."""
+        self.sent -= sum(count(value) for _, _, value in entries)
         self._keep(entries)
         self._retry_at = max(self._retry_at, time.monotonic() + self._backoff)
         self._backoff = min(self._backoff * 2, 5.0)

@@ -10,9 +10,7 @@ import logging
 import threading
 import time
 
-from kafka import KafkaConsumer, KafkaProducer, TopicPartition
-from kafka.errors import KafkaError
-
+from ...kafka_client import Consumer, Producer, TopicPartition
 from ...schemas import AlertRecord, DecodeError, decode, encode, unpack
 
 log = logging.getLogger("trainmon.alerts")
@@ -21,12 +19,11 @@ log = logging.getLogger("trainmon.alerts")
 class AlertPublisher:
     """Publishes alerts durably, once: an event id already on the topic is not sent again."""
 
-    def __init__(self, settings: dict, topic: str):
+    def __init__(self, topic: str, env: dict | None = None):
         self.topic = topic
         self.published: set[str] = set()
         self.sent = 0
-        self._producer = KafkaProducer(**settings, acks="all", enable_idempotence=True, linger_ms=0,
-                                       retries=2**31 - 1, max_block_ms=10_000)
+        self._producer = Producer(env=env, durable=True)
 
     def publish(self, alerts: list[AlertRecord], stop: threading.Event | None = None) -> bool:
         """Send and wait until Kafka has them all. A send that failed is sent again after a
@@ -36,19 +33,16 @@ class AlertPublisher:
         inflight = [(a, self._send(a)) for a in alerts if a.event_id not in self.published]
         backoff = 0.5
         while inflight:
-            try:
-                self._producer.flush(timeout=5)
-            except KafkaError:
-                pass
+            self._producer.flush(5)
             waiting, failed = [], []
-            for alert, future in inflight:
-                if isinstance(future, Exception) or (future.is_done and future.failed()):
+            for alert, delivery in inflight:
+                if delivery.failed:
                     failed.append(alert)
-                elif future.is_done:
+                elif delivery.done:
                     self.published.add(alert.event_id)
                     self.sent += 1
                 else:
-                    waiting.append((alert, future))
+                    waiting.append((alert, delivery))
             if failed:
                 log.warning("trainmon alerts: %d alert(s) not accepted by %s; sending again in %.1f s",
                             len(failed), self.topic, backoff)
@@ -62,59 +56,47 @@ class AlertPublisher:
         return True
 
     def _send(self, alert: AlertRecord):
-        try:
-            return self._producer.send(self.topic, key=alert.incident_id.encode(), value=encode(alert))
-        except KafkaError as exc:  # no metadata within max_block_ms: Kafka is away
-            return exc
+        return self._producer.send(self.topic, encode(alert), key=alert.incident_id.encode())
 
     def close(self) -> None:
-        self._producer.close(timeout=10)
+        self._producer.close(10)
 
 
 class AlertLog:
     """The alert topic read back: what incidents were published, and where its end is."""
 
-    def __init__(self, settings: dict, topic: str):
+    def __init__(self, topic: str, env: dict | None = None):
         self.topic = topic
-        self._consumer = KafkaConsumer(**settings, group_id=None, enable_auto_commit=False,
-                                       auto_offset_reset="earliest")
+        self._consumer = Consumer(None, env=env)
 
     def partitions(self) -> list[TopicPartition]:
-        self._consumer.topics()  # refreshes metadata
-        parts = self._consumer.partitions_for_topic(self.topic) or set()
-        return [TopicPartition(self.topic, p) for p in sorted(parts)]
+        return [TopicPartition(self.topic, p) for p in self._consumer.partitions_for(self.topic)]
 
     def end_offsets(self) -> dict[int, int]:
-        parts = self.partitions()
-        return {tp.partition: o for tp, o in self._consumer.end_offsets(parts).items()} if parts else {}
+        return {tp.partition: o for tp, o in self._consumer.end_offsets(self.partitions()).items()}
 
     def read(self, start: dict[int, int] | None = None, timeout_s: float = 60.0) -> list[AlertRecord]:
         """Every alert from ``start`` (partition -> offset; default: the beginning) to the end."""
-        parts = self.partitions()
-        if not parts:
-            return []
-        end = self._consumer.end_offsets(parts)
-        todo = [tp for tp in parts if end[tp] > (start or {}).get(tp.partition, 0)]
+        end = self._consumer.end_offsets(self.partitions())
+        begin = {tp: min((start or {}).get(tp.partition, 0), end[tp]) for tp in end}
+        todo = {tp: offset for tp, offset in begin.items() if end[tp] > offset}
         if not todo:
             return []
         self._consumer.assign(todo)
-        for tp in todo:
-            self._consumer.seek(tp, min((start or {}).get(tp.partition, 0), end[tp]))
         alerts: list[AlertRecord] = []
         deadline = time.monotonic() + timeout_s
         while any(self._consumer.position(tp) < end[tp] for tp in todo):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"reading {self.topic} back took over {timeout_s:.0f} s")
-            for batch in self._consumer.poll(timeout_ms=500).values():
-                for m in batch:
-                    for value in unpack(m.value or b""):
-                        try:
-                            alerts.append(decode("alert", value))
-                        except DecodeError as exc:
-                            log.warning("trainmon alerts: skipping an undecodable alert at %s[%d]@%d: %s",
-                                        m.topic, m.partition, m.offset, exc.reason)
+            for m in self._consumer.poll(0.5):
+                for value in unpack(m.value or b""):
+                    try:
+                        alerts.append(decode("alert", value))
+                    except DecodeError as exc:
+                        log.warning("trainmon alerts: skipping an undecodable alert at %s[%d]@%d: %s",
+                                    m.topic, m.partition, m.offset, exc.reason)
         alerts.sort(key=lambda a: a.time)
         return alerts
 
     def close(self) -> None:
-        self._consumer.close(autocommit=False)
+        self._consumer.close()

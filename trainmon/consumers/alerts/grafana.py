@@ -151,8 +151,8 @@ class GrafanaForwarder:
         try:
             while not self.stop.is_set():
                 messages = stream.poll(timeout_ms=500)
-                if messages:
-                    idle_since = time.monotonic()
+                if messages or not stream.consumer.assignment():
+                    idle_since = time.monotonic()  # idle time counts from joining the group
                 elif exit_when_idle_s is not None and time.monotonic() - idle_since >= exit_when_idle_s:
                     return
                 for m in messages:

@@ -19,9 +19,9 @@ import threading
 import time
 
 import yaml
-from kafka import TopicPartition
 
-from ... import kafka_config, topics
+from ... import topics
+from ...kafka_client import TopicPartition
 from ..stream import RecordStream, stop_on_signals
 from . import checkpoint
 from .alert_topic import AlertLog, AlertPublisher
@@ -36,7 +36,6 @@ class AlertService:
         self.config = config
         self.prefix = topics.prefix() if topic_prefix is None else topic_prefix
         self.env = env
-        self.settings = kafka_config.client_settings(env)
         self.alert_topic = topics.topic_for("alert", self.prefix)
         self.path = checkpoint.checkpoint_path(config.state_dir, config.group_id, self.prefix)
         self.engine = AlertEngine(config)
@@ -45,8 +44,6 @@ class AlertService:
         self.ticks = 0
         self._start_offsets: dict[str, int] = {}
         self._warm_until: dict[tuple[str, int], int] = {}
-        self._positioned: set = set()
-        self._to_position: list = []
         self._had_checkpoint = False
 
     # -- start-up ----------------------------------------------------------------------
@@ -71,38 +68,27 @@ class AlertService:
                  f"restored {self.path}" if self._had_checkpoint else "no checkpoint, rebuilt from the alert topic",
                  len(self.engine.book.open_incidents()))
 
-    def _on_assign(self, stream: RecordStream, partitions) -> None:
-        # The rebalance callback runs on kafka-python's IO thread and must not block, so
-        # new partitions are paused here and positioned by the loop (_position_new).
-        new = [tp for tp in partitions if tp not in self._positioned]
-        if new:
-            stream.consumer.pause(*new)
-            self._to_position.extend(new)
-
-    def _position_new(self, stream: RecordStream) -> None:
-        """Seek newly assigned partitions to the checkpoint (or rewind them to rebuild the
-        windows) and mark the already-judged records up to the commit as warm-up."""
-        if not self._to_position:
-            return
+    def _on_assign(self, stream: RecordStream, partitions: list[TopicPartition]) -> None:
+        """Start assigned partitions at the checkpoint (or rewind them to rebuild the
+        windows) and mark the already-judged records up to the commit as warm-up. Runs
+        inside poll, so the committed offsets can be asked for here."""
         consumer = stream.consumer
-        todo, self._to_position = self._to_position, []
-        for tp in todo:
-            self._positioned.add(tp)
-            committed = consumer.committed(tp)
+        committed = consumer.committed(partitions)
+        for tp in partitions:
+            done = committed.get(tp)
             start = self._start_offsets.get(f"{tp.topic}:{tp.partition}")
-            if start is None and not self._had_checkpoint and committed and self.config.rebuild_records:
-                start = max(0, committed - self.config.rebuild_records)
+            if start is None and not self._had_checkpoint and done and self.config.rebuild_records:
+                start = max(0, done - self.config.rebuild_records)
             if start is not None:
                 consumer.seek(tp, start)
-                if committed and start < committed:
-                    self._warm_until[(tp.topic, tp.partition)] = committed
-        consumer.resume(*todo)
+                if done and start < done:
+                    self._warm_until[(tp.topic, tp.partition)] = done
 
     # -- the loop ------------------------------------------------------------------------
 
     def run(self, exit_when_idle_s: float | None = None) -> None:
-        publisher = AlertPublisher(self.settings, self.alert_topic)
-        alert_log = AlertLog(self.settings, self.alert_topic)
+        publisher = AlertPublisher(self.alert_topic, self.env)
+        alert_log = AlertLog(self.alert_topic, self.env)
         stream = None
         try:
             self._restore(alert_log, publisher)
@@ -122,7 +108,6 @@ class AlertService:
         last_record = time.monotonic()
         while not self.stop.is_set():
             messages = stream.poll(timeout_ms=200)
-            self._position_new(stream)
             alerts = []
             received = time.time()
             for m in messages:
@@ -161,13 +146,13 @@ class AlertService:
         assigned = consumer.assignment()
         if not assigned:
             return False
-        for topic in consumer.subscription() or ():
-            for p in consumer.partitions_for_topic(topic) or ():
+        for topic in stream.topic_names:
+            for p in consumer.partitions_for(topic):
                 if TopicPartition(topic, p) not in assigned:
                     return False  # a topic whose partitions the group has not handed out yet
         for tp in assigned:
-            high = consumer.highwater(tp)
-            if high is None or consumer.position(tp) < high:
+            high = consumer.watermarks(tp, cached=True)[1]  # as of the last fetch
+            if high < 0 or consumer.position(tp) < high:
                 return False
         return True
 

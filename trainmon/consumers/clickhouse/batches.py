@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 
-from kafka import TopicPartition
+from ...kafka_client import TopicPartition
 
 from ..stream import Message
 

@@ -123,18 +123,11 @@ def replay_main(argv: list[str] | None = None) -> int:
 
 
 def _delete_group(group: str) -> None:
-    from kafka import KafkaAdminClient
-    from kafka.errors import KafkaError
-
-    from ... import kafka_config
+    from ...kafka_client import KafkaError, delete_group
 
     try:
-        admin = KafkaAdminClient(**kafka_config.client_settings())
-        try:
-            admin.delete_groups([group])
-        finally:
-            admin.close()
-    except (KafkaError, OSError) as exc:
+        delete_group(group)
+    except KafkaError as exc:
         print(f"trainmon replay: could not delete the consumer group {group} (harmless): {exc}",
               file=sys.stderr)
 

@@ -22,8 +22,8 @@ and ``trainmon replay``.
 A Kafka message packs several records (``schemas.pack``); they share its offset, are
 polled together and so always land in the same batch.
 
-kafka-python 3 runs rebalance callbacks on its IO thread, where blocking Kafka calls
-(commit, committed) are refused; the callbacks here only query ClickHouse and seek.
+Rebalance callbacks run inside ``poll`` on the loop's own thread (librdkafka serves
+them there), so the lock below only orders them with the flush of a stopping service.
 """
 
 from __future__ import annotations
@@ -35,9 +35,7 @@ import threading
 import time
 from typing import Callable
 
-from kafka import TopicPartition
-from kafka.errors import KafkaError
-
+from ...kafka_client import KafkaError, TopicPartition
 from ..stream import Message, RecordStream
 from .batches import PartitionBuffers
 from .columns import insert_batch
@@ -79,7 +77,7 @@ class Loader:
     def dead_letters(self) -> int:
         return self.stream.dead_letters
 
-    # -- rebalancing (on kafka-python's IO thread) -------------------------------------
+    # -- rebalancing (inside poll) ------------------------------------------------------
 
     def _on_assign(self, partitions: list[TopicPartition]) -> None:
         with self._lock:
@@ -95,14 +93,15 @@ class Loader:
                  len(partitions), len(stored))
 
     def _on_revoke(self, partitions: list[TopicPartition]) -> None:
-        # Hand the partitions over fully written. No Kafka commit here (refused on the IO
-        # thread); the next owner starts from the offsets stored in ClickHouse anyway.
+        # Hand the partitions over fully written. No Kafka commit needed here: the next
+        # owner starts from the offsets stored in ClickHouse anyway.
+        log.info("revoking %d partitions; writing what they hold first", len(partitions))
         with self._lock:
             self._owned.difference_update(partitions)
             for tp, messages in self.buffers.take(only=set(partitions)).items():
                 try:
-                    # No dead-lettering here: a Kafka send from kafka-python's IO thread
-                    # can stall the rebalance itself (it waits on that same thread).
+                    # No dead-lettering in a rebalance: a refused record is read again
+                    # by whoever owns the partition next, and dead-lettered there.
                     self._insert_partition(tp, messages, attempts=3, dead_letter=False)
                 except Exception as exc:
                     if not refusal(exc):
@@ -124,7 +123,7 @@ class Loader:
             batches = self.buffers.take()
             for tp, messages in batches.items():
                 self._insert_partition(tp, messages)
-        # Outside the lock: a commit waits on the IO thread, which may be in _on_revoke.
+        # Outside the lock: inserting is done; a commit may wait for the broker.
         if self._commit_due() and (final or time.monotonic() >= self._next_commit_at):
             try:
                 dead_letters = self.dead_letters
@@ -145,7 +144,7 @@ class Loader:
                           token: str | None = None) -> None:
         """Insert one partition's batch; see :mod:`.refusals` for what each error leads to.
         ``attempts`` bounds the retries of errors a retry can fix (unbounded while running,
-        3 once stopping); ``dead_letter=False`` (on kafka-python's IO thread) raises instead
+        3 once stopping); ``dead_letter=False`` (in a rebalance) raises instead
         of looking for culprits."""
         token = token or f"{tp.topic}-{tp.partition}-{messages[0].offset}-{messages[-1].offset}"
         attempt = 0
@@ -267,8 +266,7 @@ class Loader:
 def caught_up_with(consumer, topic_names: list[str]) -> Callable[[Loader], bool]:
     """A condition true once every partition of the topics is read up to its end as of
     now (for replay: everything that was in the topics when it started)."""
-    partitions = [TopicPartition(t, p) for t in topic_names
-                  for p in (consumer.partitions_for_topic(t) or ())]
+    partitions = [TopicPartition(t, p) for t in topic_names for p in consumer.partitions_for(t)]
     ends = consumer.end_offsets(partitions) if partitions else {}
 
     def caught_up(loader: Loader) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from kafka import TopicPartition
+from ...kafka_client import TopicPartition
 
 from ... import topics
 

@@ -19,13 +19,12 @@ from dataclasses import replace
 
 from clickhouse_connect.driver.exceptions import OperationalError
 
-from ... import kafka_config
+from ...kafka_client import bootstrap_servers
 from ..stream import stop_on_signals
 from .client import EngineBusy, Target, connect, connect_when_free
 from .ddl import create_all
 from .loader import Loader
 from .sql_endpoint import SqlEndpoint
-from .topic_setup import ensure_topics
 
 DEFAULT_GROUP = "trainmon-clickhouse"
 log = logging.getLogger("trainmon.clickhouse")
@@ -75,8 +74,6 @@ def sql_endpoint_for(target: Target, enabled: bool = True):
 def configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    logging.getLogger("kafka").setLevel(logging.WARNING)
-    logging.getLogger("kafka.coordinator").setLevel(logging.INFO)  # joins and rebalances
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +105,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         create_all(client, target.database)
-        ensure_topics(args.topic_prefix)
         with sql_endpoint_for(target, not args.no_sql_endpoint):
             loader = Loader(client, database=target.database, group_id=args.group,
                             topic_prefix=args.topic_prefix, max_rows=args.batch_rows,
@@ -116,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                             consumer_settings={"group_instance_id": args.instance_id}
                             if args.instance_id else None)
             log.info("consuming %s* from %s into %s as group %s (instance %s)",
-                     loader.stream.prefix, kafka_config.bootstrap_servers(),
+                     loader.stream.prefix, bootstrap_servers(),
                      target.describe(), args.group, loader.stream.instance_id or "dynamic")
             loader.run()
     finally:

@@ -25,6 +25,11 @@ The Trainer does not print the step in its dicts. It is, in this order:
 
 An evaluation dict takes the training bar's counter, else the step of the last loss dict.
 
+DeepSpeed's fp16 loss scaler prints ``[deepspeed] OVERFLOW! Rank 0 Skipping step.
+Attempted loss scale: 64, reducing to 32`` for each step it skips: a step record at the
+bar's counter with no loss, ``skipped`` 1 and the reduced ``loss_scale`` (Megatron's
+fields), so the skipped-iteration and loss-scale rules see a cascade as it happens.
+
 ``Saving model checkpoint to saves/run/checkpoint-411`` is a "saved" checkpoint record at
 the step the directory names (``checkpoint-N``), else (the final ``save_model``) at the
 training bar's counter or the last loss dict's step.
@@ -53,6 +58,8 @@ _FIRST_STEP = re.compile(r"\blogging_first_step=True\b")
 # eval_loss, and with a metric key prefix: eval_snli_loss, mrpc_en_eval_loss
 _EVAL_LOSS = re.compile(r"(?:^|_)eval(?:_\w+)?_loss$")
 _SAVING = re.compile(r"\bSaving model checkpoint to (\S+)")
+_OVERFLOW = re.compile(r"\[deepspeed\] OVERFLOW! Rank \d+ Skipping step\. "
+                       r"Attempted loss scale: [\d.e+-]+, reducing to ([\d.e+-]+)")
 _MAX_WRAPPED_LINES = 8
 GIB = 1024 ** 3
 
@@ -97,6 +104,8 @@ class HfTrainerParser(FormatParser):
         if m is None:
             if "Saving model checkpoint" in text and (saving := _SAVING.search(text)):
                 return self._checkpoint(saving.group(1), line)
+            if "OVERFLOW!" in text and (overflow := _OVERFLOW.search(text)):
+                return self._overflow(try_number(overflow.group(1)), line)
             self._read_setup(text)
             return []
         if not m.group(1) and not joined:  # no closing brace: the rest is on the next lines
@@ -187,6 +196,14 @@ class HfTrainerParser(FormatParser):
         if runtime is not None:
             fields["duration_ms"] = runtime * 1000.0
         return [Parsed("eval", fields, line.rank, line.time)]
+
+    def _overflow(self, scale: float | None, line: Line) -> list[Parsed]:
+        step = self._bar_step()
+        if step is None:
+            step = self._last_step
+        if step is None or scale is None:
+            return []
+        return [Parsed("step", {"step": step, "loss_scale": scale, "skipped": 1}, line.rank, line.time)]
 
     def _checkpoint(self, path: str, line: Line) -> list[Parsed]:
         step = path_step(path)

@@ -1,0 +1,57 @@
+"""Topic and group administration."""
+
+from __future__ import annotations
+
+from . import settings
+from .errors import KafkaError
+
+
+def _admin(env: dict | None, bootstrap: str | None):
+    from confluent_kafka.admin import AdminClient
+
+    return AdminClient(settings.librdkafka(env, bootstrap))
+
+
+def list_topics(*, env: dict | None = None, bootstrap: str | None = None, timeout_s: float = 10.0) -> set[str]:
+    from confluent_kafka import KafkaException
+
+    try:
+        return set(_admin(env, bootstrap).list_topics(timeout=timeout_s).topics)
+    except KafkaException as exc:
+        raise KafkaError(f"list topics: {exc}", retriable=True) from exc
+
+
+def create_topics(names: list[str], partitions: int | None = None, *, env: dict | None = None,
+                  bootstrap: str | None = None, config: dict | None = None,
+                  timeout_s: float = 30.0) -> list[str]:
+    """Create the topics not there yet (broker defaults for partitions and replication
+    unless given); returns the names created. One already there is not an error."""
+    from confluent_kafka import KafkaException
+    from confluent_kafka.admin import NewTopic
+
+    admin = _admin(env, bootstrap)
+    try:
+        existing = set(admin.list_topics(timeout=timeout_s).topics)
+        new = [NewTopic(n, num_partitions=partitions or -1, replication_factor=-1, config=config or {})
+               for n in names if n not in existing]
+        created = []
+        for name, future in (admin.create_topics(new, operation_timeout=timeout_s).items() if new else ()):
+            try:
+                future.result(timeout_s)
+                created.append(name)
+            except KafkaException as exc:
+                if exc.args[0].name() != "TOPIC_ALREADY_EXISTS":
+                    raise
+        return created
+    except KafkaException as exc:
+        raise KafkaError(f"create topics: {exc}") from exc
+
+
+def delete_group(group: str, *, env: dict | None = None, bootstrap: str | None = None,
+                 timeout_s: float = 10.0) -> None:
+    from confluent_kafka import KafkaException
+
+    try:
+        _admin(env, bootstrap).delete_consumer_groups([group], request_timeout=timeout_s)[group].result(timeout_s)
+    except KafkaException as exc:
+        raise KafkaError(f"delete group {group}: {exc}") from exc

@@ -1,0 +1,241 @@
+"""A Kafka consumer: subscribe with rebalance callbacks, poll raw messages, seek, commit.
+
+Rebalance callbacks run on the thread that polls (librdkafka serves them inside
+``poll``), so they may block and make Kafka calls (``committed``, ``seek``, ``pause``).
+A ``seek`` inside ``on_assign`` sets where the partition starts.
+
+Positions are tracked here per partition (the offset after the last message handed out,
+or where a seek put it), so ``commit_consumed`` commits exactly what the caller received
+and ``position`` answers without a broker call.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from . import settings
+from .errors import KafkaError, translated
+from .types import TopicPartition
+
+log = logging.getLogger("trainmon.kafka")
+
+Callback = Callable[[list[TopicPartition]], None]
+_METADATA_TTL_S = 5.0
+
+
+@dataclass(slots=True)
+class RawMessage:
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    timestamp_ms: int  # the producer's create time, or the broker's with LogAppendTime
+
+
+class Consumer:
+    def __init__(self, group_id: str | None = None, *, env: dict | None = None,
+                 bootstrap: str | None = None, instance_id: str | None = None,
+                 fetch_max_bytes: int = 8 * 1024 * 1024, **overrides):
+        """``group_id=None``: a reader that assigns partitions itself and never commits."""
+        from confluent_kafka import Consumer as _Consumer
+
+        config = settings.librdkafka(env, bootstrap)
+        config.update({
+            # librdkafka wants a group id even for assign(); a reader never joins or commits.
+            "group.id": group_id or "trainmon-reader",
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "auto.offset.reset": "earliest",
+            "fetch.max.bytes": fetch_max_bytes,
+            # The default prefetch queue holds up to 64 MiB per consumer; 16 is plenty
+            # ahead of one 8 MiB poll and keeps a service's memory modest.
+            "queued.max.messages.kbytes": 16 * 1024,
+            # A subscribed topic created later (by another consumer's group, by hand) is
+            # noticed within seconds, not at librdkafka's default 5-minute refresh.
+            "topic.metadata.refresh.interval.ms": 10_000,
+            **overrides,
+        })
+        if instance_id:
+            config["group.instance.id"] = instance_id
+        self._consumer = _Consumer(config)
+        self._positions: dict[TopicPartition, int] = {}
+        self._assignment: set[TopicPartition] = set()
+        self._on_assign: Callback | None = None
+        self._on_revoke: Callback | None = None
+        self._assigning: dict[TopicPartition, int] | None = None  # seeks asked in on_assign
+        self._paused_in_assign: list[TopicPartition] = []
+        self._partitions_cache: dict[str, tuple[float, list[int]]] = {}
+        self.closed = False
+
+    # -- group membership ------------------------------------------------------------
+
+    def subscribe(self, topics: list[str], on_assign: Callback | None = None,
+                  on_revoke: Callback | None = None) -> None:
+        self._on_assign, self._on_revoke = on_assign, on_revoke
+        self._consumer.subscribe(topics, on_assign=self._assigned, on_revoke=self._revoked,
+                                 on_lost=self._revoked)
+
+    def _assigned(self, consumer, partitions) -> None:
+        from confluent_kafka import OFFSET_INVALID, TopicPartition as _TP
+
+        tps = [TopicPartition(p.topic, p.partition) for p in partitions]
+        self._assigning, self._paused_in_assign = {}, []
+        try:
+            if self._on_assign:
+                self._on_assign(tps)
+            seeks = self._assigning
+        finally:
+            self._assigning = None
+        consumer.assign([_TP(tp.topic, tp.partition, seeks.get(tp, OFFSET_INVALID)) for tp in tps])
+        self._assignment.update(tps)
+        for tp, offset in seeks.items():
+            self._positions[tp] = offset
+        if self._paused_in_assign:
+            consumer.pause([_TP(*tp) for tp in self._paused_in_assign])
+
+    def _revoked(self, consumer, partitions) -> None:
+        tps = [TopicPartition(p.topic, p.partition) for p in partitions]
+        try:
+            if self._on_revoke:
+                self._on_revoke(tps)
+        finally:
+            consumer.unassign()
+            for tp in tps:
+                self._assignment.discard(tp)
+                self._positions.pop(tp, None)
+
+    def assign(self, partitions: dict[TopicPartition, int]) -> None:
+        """Read these partitions from these offsets, outside any group (readers)."""
+        from confluent_kafka import TopicPartition as _TP
+
+        self._consumer.assign([_TP(tp.topic, tp.partition, offset) for tp, offset in partitions.items()])
+        self._assignment = set(partitions)
+        self._positions = dict(partitions)
+
+    def assignment(self) -> set[TopicPartition]:
+        return set(self._assignment)
+
+    # -- reading -----------------------------------------------------------------------
+
+    def poll(self, timeout_s: float, max_messages: int = 10_000) -> list[RawMessage]:
+        """Messages as soon as any are there (at most ``max_messages``), else [] after
+        ``timeout_s``. Rebalance callbacks run in here."""
+        consumer = self._consumer
+        first = consumer.poll(timeout_s)
+        if first is None:
+            return []
+        batch = [first]
+        if max_messages > 1:
+            batch += consumer.consume(max_messages - 1, 0)
+        out: list[RawMessage] = []
+        positions = self._positions
+        for m in batch:
+            error = m.error()
+            if error is not None:
+                # Partition-level errors (a topic not there yet ...): the client retries.
+                log.debug("Kafka consumer: %s", error.str())
+                continue
+            topic, partition, offset = m.topic(), m.partition(), m.offset()
+            positions[TopicPartition(topic, partition)] = offset + 1
+            out.append(RawMessage(topic, partition, offset, m.key(), m.value(), m.timestamp()[1]))
+        return out
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        if self._assigning is not None:  # inside on_assign: where the partition starts
+            self._assigning[tp] = offset
+            return
+        from confluent_kafka import TopicPartition as _TP
+
+        with translated(f"seek {tp.topic}[{tp.partition}] to {offset}"):
+            self._consumer.seek(_TP(tp.topic, tp.partition, offset))
+        self._positions[tp] = offset
+
+    def pause(self, partitions: Iterable[TopicPartition]) -> None:
+        partitions = list(partitions)
+        if self._assigning is not None:
+            self._paused_in_assign.extend(partitions)
+            return
+        from confluent_kafka import TopicPartition as _TP
+
+        self._consumer.pause([_TP(*tp) for tp in partitions])
+
+    def resume(self, partitions: Iterable[TopicPartition]) -> None:
+        from confluent_kafka import TopicPartition as _TP
+
+        self._consumer.resume([_TP(*tp) for tp in partitions])
+
+    # -- offsets -------------------------------------------------------------------------
+
+    def position(self, tp: TopicPartition) -> int:
+        """The next offset this consumer will hand out for ``tp``."""
+        position = self._positions.get(tp)
+        if position is None:
+            committed = self.committed([tp]).get(tp)
+            position = committed if committed is not None else self.watermarks(tp)[0]
+            self._positions[tp] = position
+        return position
+
+    def committed(self, partitions: list[TopicPartition], timeout_s: float = 10.0) -> dict[TopicPartition, int | None]:
+        from confluent_kafka import TopicPartition as _TP
+
+        with translated("committed offsets"):
+            answer = self._consumer.committed([_TP(*tp) for tp in partitions], timeout=timeout_s)
+        return {TopicPartition(p.topic, p.partition): (p.offset if p.offset >= 0 else None)
+                for p in answer}
+
+    def watermarks(self, tp: TopicPartition, cached: bool = False, timeout_s: float = 10.0) -> tuple[int, int]:
+        """(low, high) offsets of ``tp``; ``cached``: as of the last fetch, no broker call
+        (-1 where nothing was fetched yet)."""
+        from confluent_kafka import TopicPartition as _TP
+
+        with translated(f"offsets of {tp.topic}[{tp.partition}]"):
+            answer = self._consumer.get_watermark_offsets(_TP(*tp), timeout=timeout_s, cached=cached)
+        if answer is None:
+            raise KafkaError(f"offsets of {tp.topic}[{tp.partition}]: timed out", retriable=True)
+        low, high = answer
+        return (max(low, -1), max(high, -1))
+
+    def end_offsets(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
+        return {tp: self.watermarks(tp)[1] for tp in partitions}
+
+    def commit(self, offsets: dict[TopicPartition, int]) -> None:
+        """Commit these next-offsets, synchronously."""
+        if not offsets:
+            return
+        from confluent_kafka import TopicPartition as _TP
+
+        with translated("commit"):
+            self._consumer.commit(offsets=[_TP(tp.topic, tp.partition, o) for tp, o in offsets.items()],
+                                  asynchronous=False)
+
+    def commit_consumed(self) -> None:
+        """Commit the position of every assigned partition something was read from."""
+        self.commit({tp: o for tp, o in self._positions.items() if tp in self._assignment})
+
+    # -- metadata ------------------------------------------------------------------------
+
+    def partitions_for(self, topic: str) -> list[int]:
+        """The topic's partitions (metadata cached for a few seconds; [] if unknown)."""
+        cached = self._partitions_cache.get(topic)
+        if cached and time.monotonic() - cached[0] < _METADATA_TTL_S:
+            return cached[1]
+        with translated(f"metadata of {topic}"):
+            metadata = self._consumer.list_topics(topic, timeout=10)
+        described = metadata.topics.get(topic)
+        parts = sorted(described.partitions) if described is not None and described.error is None else []
+        if parts:  # a topic not there yet is asked about again next time
+            self._partitions_cache[topic] = (time.monotonic(), parts)
+        return parts
+
+    def topics(self) -> set[str]:
+        with translated("list topics"):
+            return set(self._consumer.list_topics(timeout=10).topics)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._consumer.close()

@@ -1,0 +1,71 @@
+"""A small producer for the consumers' own output (dead letters, alerts).
+
+The training side's producer is :mod:`trainmon.producer`; its transport to Kafka is
+:mod:`.transport` here. This one sends a message and tells, through a :class:`Delivery`,
+whether Kafka has it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from . import settings
+from .errors import KafkaError
+
+
+@dataclass(slots=True)
+class Delivery:
+    done: bool = False
+    error: str | None = None
+    offset: int | None = None  # where Kafka stored it
+
+    @property
+    def failed(self) -> bool:
+        return self.done and self.error is not None
+
+    def _report(self, error, message) -> None:
+        self.error = None if error is None else error.str()
+        self.offset = message.offset() if error is None else None
+        self.done = True
+
+
+class Producer:
+    def __init__(self, *, env: dict | None = None, bootstrap: str | None = None, durable: bool = False,
+                 **overrides):
+        """``durable``: acks from every in-sync replica, idempotent, retried without end
+        (the alert topic); otherwise acks=all with librdkafka's defaults."""
+        from confluent_kafka import Producer as _Producer
+
+        config = settings.librdkafka(env, bootstrap)
+        config.update({"acks": "all", "linger.ms": 5})
+        if durable:
+            config.update({"enable.idempotence": True, "linger.ms": 0,
+                           "message.timeout.ms": 0})  # 0: retried until delivered
+        config.update(overrides)
+        self._producer = _Producer(config)
+
+    def send(self, topic: str, value: bytes, key: bytes | None = None, partition: int | None = None) -> Delivery:
+        delivery = Delivery()
+        where = {} if partition is None else {"partition": partition}
+        try:
+            self._producer.produce(topic, value=value, key=key, on_delivery=delivery._report, **where)
+        except BufferError:  # the local queue is full: make room, then try once more
+            self._producer.poll(1.0)
+            try:
+                self._producer.produce(topic, value=value, key=key, on_delivery=delivery._report, **where)
+            except (BufferError, Exception) as exc:  # noqa: BLE001 -- reported, not raised
+                delivery.done, delivery.error = True, f"{type(exc).__name__}: {exc}"
+        except Exception as exc:  # noqa: BLE001 -- e.g. a message over message.max.bytes
+            delivery.done, delivery.error = True, f"{type(exc).__name__}: {exc}"
+        self._producer.poll(0)
+        return delivery
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for every send to be answered; True if none is left."""
+        return self._producer.flush(timeout_s) == 0
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self.flush(timeout_s)
+
+
+__all__ = ["Delivery", "KafkaError", "Producer"]

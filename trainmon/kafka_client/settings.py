@@ -1,0 +1,76 @@
+"""Client settings from ``TRAINMON_KAFKA_*`` env vars, spelt for each client library.
+
+A job reaching a SASL / SSL cluster sets env vars only: TRAINMON_KAFKA_SECURITY_PROTOCOL,
+_SASL_MECHANISM, _SASL_USERNAME, _SASL_PASSWORD, _SSL_CAFILE, _SSL_CERTFILE,
+_SSL_KEYFILE, _SSL_PASSWORD.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
+
+# env var -> (librdkafka property, kafka-python argument)
+_SECURITY = {
+    "TRAINMON_KAFKA_SECURITY_PROTOCOL": ("security.protocol", "security_protocol"),
+    "TRAINMON_KAFKA_SASL_MECHANISM": ("sasl.mechanism", "sasl_mechanism"),
+    "TRAINMON_KAFKA_SASL_USERNAME": ("sasl.username", "sasl_plain_username"),
+    "TRAINMON_KAFKA_SASL_PASSWORD": ("sasl.password", "sasl_plain_password"),
+    "TRAINMON_KAFKA_SSL_CAFILE": ("ssl.ca.location", "ssl_cafile"),
+    "TRAINMON_KAFKA_SSL_CERTFILE": ("ssl.certificate.location", "ssl_certfile"),
+    "TRAINMON_KAFKA_SSL_KEYFILE": ("ssl.key.location", "ssl_keyfile"),
+    "TRAINMON_KAFKA_SSL_PASSWORD": ("ssl.key.password", "ssl_password"),
+}
+
+
+def bootstrap_servers(env: dict | None = None) -> str:
+    env = os.environ if env is None else env
+    return env.get("TRAINMON_KAFKA_BOOTSTRAP", DEFAULT_BOOTSTRAP)
+
+
+def security_from(env: dict) -> dict:
+    """The TRAINMON_KAFKA_* security settings present in env (by env var name)."""
+    return {var: env[var] for var in _SECURITY if env.get(var)}
+
+
+def librdkafka(env: dict | None = None, bootstrap: str | None = None) -> dict:
+    """confluent-kafka's configuration: bootstrap servers, security, logging."""
+    env = os.environ if env is None else env
+    config = {
+        "bootstrap.servers": bootstrap or bootstrap_servers(env),
+        # After a broker outage, reconnect within a second (not after a backoff grown large).
+        "reconnect.backoff.max.ms": 1000,
+        # librdkafka's own log only for the critical; its errors (broker down ...) come
+        # through error_cb, rate-limited: during an outage they repeat every second.
+        "log_level": 2,
+        "logger": _LOG,
+        "error_cb": _report_error,
+    }
+    config.update({rd: env[var] for var, (rd, _) in _SECURITY.items() if env.get(var)})
+    return config
+
+
+def kafka_python(env: dict | None = None, bootstrap: str | None = None) -> dict:
+    """kafka-python's arguments (the producer's fallback transport)."""
+    env = os.environ if env is None else env
+    settings = {"bootstrap_servers": (bootstrap or bootstrap_servers(env)).split(",")}
+    settings.update({kp: env[var] for var, (_, kp) in _SECURITY.items() if env.get(var)})
+    return settings
+
+
+_LOG = logging.getLogger("trainmon.kafka")
+_last_said: dict[str, float] = {}
+
+
+def _report_error(error) -> None:
+    """librdkafka's client-level errors (broker down, all brokers down ...): each kind once
+    a minute at WARNING. They are transient by nature -- the client keeps reconnecting --
+    and during an outage they would otherwise arrive every second."""
+    key = error.name()
+    now = time.monotonic()
+    if now - _last_said.get(key, -1e9) >= 60:
+        _last_said[key] = now
+        _LOG.warning("Kafka: %s", error.str())

@@ -1,0 +1,195 @@
+"""The producer's way to Kafka: send packed messages, report what could not be delivered.
+
+Two implementations of one small contract (:class:`Transport`): :class:`ConfluentTransport`
+on librdkafka (the default), and kafka-python's in :mod:`.fallback` for machines where
+confluent-kafka cannot be installed. Anything Kafka finally gives up on is handed to
+``on_undelivered`` so the producer's worker can spill it: a transport never drops a
+record silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+from . import settings
+from .errors import TransportUnavailable
+
+log = logging.getLogger("trainmon.producer")
+
+Entry = tuple[str, bytes, bytes]  # topic, key, value (a packed message)
+Undelivered = Callable[[list[Entry]], None]
+
+CONFLUENT, KAFKA_PYTHON = "confluent-kafka", "kafka-python"
+
+
+@dataclass(frozen=True)
+class TransportSettings:
+    """What the producer asks of its transport, in no client's spelling."""
+
+    bootstrap: str
+    security: dict  # TRAINMON_KAFKA_* security env vars and their values
+    linger_ms: int = 5
+    batch_bytes: int = 256 * 1024
+    max_message_bytes: int = 1_000_000
+    compression: str | None = "lz4"
+    # Kafka that acknowledges nothing for this long counts as away: the messages come
+    # back through on_undelivered and the worker spills them (a rank killed during an
+    # outage keeps what it logged).
+    delivery_timeout_ms: int = 5000
+    max_in_flight_messages: int = 50_000
+
+
+class Transport(Protocol):
+    dropped: int  # records over the message limit even one per message
+    on_ack: Callable[[], None] | None  # called at every acknowledged message (instrumentation)
+
+    @property
+    def in_flight(self) -> int: ...  # messages sent and not yet answered
+    def send(self, entry: Entry) -> None: ...  # raises TransportUnavailable
+    def serve(self) -> None: ...  # hand finished deliveries to their callbacks, no waiting
+    def flush(self, timeout: float) -> bool: ...
+    def close(self, timeout: float) -> None: ...
+
+
+def choose_client(env: dict | None = None) -> str:
+    """confluent-kafka unless ``TRAINMON_KAFKA_CLIENT=kafka-python`` or it is not installed."""
+    env = os.environ if env is None else env
+    wanted = (env.get("TRAINMON_KAFKA_CLIENT") or CONFLUENT).strip().lower()
+    if wanted == KAFKA_PYTHON:
+        return KAFKA_PYTHON
+    try:
+        import confluent_kafka  # noqa: F401
+    except ImportError:
+        log.info("trainmon: confluent-kafka is not installed; sending with kafka-python")
+        return KAFKA_PYTHON
+    return CONFLUENT
+
+
+def make_transport(client: str, config: TransportSettings, on_undelivered: Undelivered) -> Transport:
+    if client == KAFKA_PYTHON:
+        from .fallback import KafkaPythonTransport
+
+        return KafkaPythonTransport(config, on_undelivered)
+    return ConfluentTransport(config, on_undelivered)
+
+
+def split_or_drop(entry: Entry, on_undelivered: Undelivered, reason: object) -> int:
+    """A message over the size limit, refused before it was sent: packed records go back
+    one per message; a single record that big (the worker rejects those before they get
+    here) is dropped, so it cannot hold back the records behind it. Returns records dropped."""
+    from ..schemas import unpack
+
+    topic, key, value = entry
+    records = unpack(value)
+    if len(records) > 1:
+        on_undelivered([(topic, key, record) for record in records])
+        return 0
+    log.error("trainmon: Kafka refused a %s-byte record on %s as too large; dropped it (%s)",
+              f"{len(value):,}", topic, reason)
+    return 1
+
+
+def say_topic_limit(topic: str, batch_bytes: int) -> None:
+    # The broker judges whole batches, not single records: only a bigger topic limit helps.
+    log.error("trainmon: Kafka refused a batch for %s as too large: the topic's max.message.bytes "
+              "is below the producer's batch size (%s bytes); raise it (Kafka's default is 1 MB). "
+              "The records are kept in the spill file.", topic, f"{batch_bytes:,}")
+
+
+_LEFT_IN_PARENT: list = []  # a forked child must never destroy its parent's client
+
+
+class ConfluentTransport:
+    def __init__(self, config: TransportSettings, on_undelivered: Undelivered):
+        self._config = config
+        self._on_undelivered = on_undelivered
+        self._producer = None
+        self.dropped = 0
+        self.on_ack: Callable[[], None] | None = None
+        self._told_topic_limit = False
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        if self._producer is not None:
+            _LEFT_IN_PARENT.append(self._producer)
+            self._producer = None
+
+    def _connect(self):
+        if self._producer is None:
+            from confluent_kafka import Producer
+
+            c = self._config
+            conf = settings.librdkafka(c.security, c.bootstrap)
+            conf.update({
+                "acks": "all",
+                "linger.ms": c.linger_ms,
+                "batch.size": c.batch_bytes,
+                "message.max.bytes": c.max_message_bytes,
+                "compression.type": c.compression or "none",
+                "message.timeout.ms": c.delivery_timeout_ms,
+                "request.timeout.ms": min(4000, c.delivery_timeout_ms),
+                # Not idempotent, one request in flight per connection: each rank's records
+                # stay in order, and a resend after an outage can duplicate a record in
+                # Kafka, which every consumer keeps once (by event id).
+                "enable.idempotence": False,
+                "max.in.flight.requests.per.connection": 1,
+                "queue.buffering.max.messages": c.max_in_flight_messages,
+            })
+            try:
+                self._producer = Producer(conf)
+            except Exception as exc:  # a bad setting: say so, keep the records
+                raise TransportUnavailable(f"cannot create the Kafka producer: {exc}") from exc
+        return self._producer
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._producer) if self._producer is not None else 0
+
+    def send(self, entry: Entry) -> None:
+        from confluent_kafka import KafkaException
+
+        topic, key, value = entry
+        producer = self._connect()
+        try:
+            producer.produce(topic, value=value, key=key,
+                             on_delivery=lambda error, _msg: self._acked() if error is None
+                             else self._failed(entry, error))
+        except BufferError as exc:  # max_in_flight_messages unanswered: Kafka is away or slow
+            raise TransportUnavailable(f"{len(producer)} messages unacknowledged by Kafka") from exc
+        except KafkaException as exc:
+            if exc.args and exc.args[0].name() == "MSG_SIZE_TOO_LARGE":
+                self.dropped += split_or_drop(entry, self._on_undelivered, exc)
+                return
+            raise TransportUnavailable(str(exc)) from exc
+
+    def _acked(self) -> None:
+        if self.on_ack is not None:
+            self.on_ack()
+
+    def _failed(self, entry: Entry, error) -> None:
+        """A delivery report with an error (on the worker's thread, inside serve/flush)."""
+        if error.name() == "MSG_SIZE_TOO_LARGE" and not self._told_topic_limit:
+            self._told_topic_limit = True
+            say_topic_limit(entry[0], self._config.batch_bytes)
+        log.debug("trainmon: Kafka gave up on a message (%s); spilling it", error.str())
+        self._on_undelivered([entry])
+
+    def serve(self) -> None:
+        if self._producer is not None:
+            self._producer.poll(0)
+
+    def flush(self, timeout: float) -> bool:
+        return self._producer is None or self._producer.flush(timeout) == 0
+
+    def close(self, timeout: float) -> None:
+        producer = self._producer
+        if producer is None:
+            return
+        if producer.flush(timeout):
+            # Not delivered in time: take the messages back (their reports spill them).
+            producer.purge()
+            producer.flush(0)
+        self._producer = None
