@@ -49,9 +49,11 @@ def create_topics(names: list[str], partitions: int | None = None, *, env: dict 
 
 def delete_group(group: str, *, env: dict | None = None, bootstrap: str | None = None,
                  timeout_s: float = 10.0) -> None:
+    from concurrent.futures import TimeoutError as FutureTimeout
+
     from confluent_kafka import KafkaException
 
     try:
         _admin(env, bootstrap).delete_consumer_groups([group], request_timeout=timeout_s)[group].result(timeout_s)
-    except KafkaException as exc:
-        raise KafkaError(f"delete group {group}: {exc}") from exc
+    except (KafkaException, FutureTimeout) as exc:
+        raise KafkaError(f"delete group {group}: {exc!r}") from exc

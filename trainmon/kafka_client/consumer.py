@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable
 
 from . import settings
-from .errors import KafkaError, translated
+from .errors import KafkaError, retried, translated
 from .types import TopicPartition
 
 log = logging.getLogger("trainmon.kafka")
@@ -182,8 +182,8 @@ class Consumer:
     def committed(self, partitions: list[TopicPartition], timeout_s: float = 10.0) -> dict[TopicPartition, int | None]:
         from confluent_kafka import TopicPartition as _TP
 
-        with translated("committed offsets"):
-            answer = self._consumer.committed([_TP(*tp) for tp in partitions], timeout=timeout_s)
+        answer = retried(lambda: self._consumer.committed([_TP(*tp) for tp in partitions], timeout=timeout_s),
+                         "committed offsets", timeout_s)
         return {TopicPartition(p.topic, p.partition): (p.offset if p.offset >= 0 else None)
                 for p in answer}
 
@@ -192,8 +192,8 @@ class Consumer:
         (-1 where nothing was fetched yet)."""
         from confluent_kafka import TopicPartition as _TP
 
-        with translated(f"offsets of {tp.topic}[{tp.partition}]"):
-            answer = self._consumer.get_watermark_offsets(_TP(*tp), timeout=timeout_s, cached=cached)
+        answer = retried(lambda: self._consumer.get_watermark_offsets(_TP(*tp), timeout=timeout_s, cached=cached),
+                         f"offsets of {tp.topic}[{tp.partition}]", timeout_s)
         if answer is None:
             raise KafkaError(f"offsets of {tp.topic}[{tp.partition}]: timed out", retriable=True)
         low, high = answer

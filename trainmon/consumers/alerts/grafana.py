@@ -129,6 +129,7 @@ class GrafanaForwarder:
         self.failures = 0
         self.dead_lettered = 0
         self.last_error: str | None = None
+        self.idle_since = time.monotonic()  # the last alert received or delivered, or joining
 
     @classmethod
     def from_env(cls, config: AlertsConfig, *, env: dict | None = None, **kw) -> "GrafanaForwarder":
@@ -147,18 +148,19 @@ class GrafanaForwarder:
     def run(self, exit_when_idle_s: float | None = None) -> None:
         stream = RecordStream(self.config.grafana_group_id, ["alert"], topic_prefix=self.topic_prefix,
                               env=self.env)
-        idle_since = time.monotonic()
+        self.idle_since = time.monotonic()
         try:
             while not self.stop.is_set():
                 messages = stream.poll(timeout_ms=500)
                 if messages or not stream.consumer.assignment():
-                    idle_since = time.monotonic()  # idle time counts from joining the group
-                elif exit_when_idle_s is not None and time.monotonic() - idle_since >= exit_when_idle_s:
+                    self.idle_since = time.monotonic()  # idle time counts from joining the group
+                elif exit_when_idle_s is not None and time.monotonic() - self.idle_since >= exit_when_idle_s:
                     return
                 for m in messages:
                     if not self._deliver(stream, m):
                         return  # stopping: this alert and the rest stay uncommitted
                     stream.commit([m])
+                    self.idle_since = time.monotonic()
                 if not messages:
                     stream.commit_polled()  # dead letters of undecodable messages
         finally:

@@ -204,15 +204,23 @@ def main(argv: list[str] | None = None) -> int:
             return 0
     thread = None
     if forwarder is not None:
-        thread = threading.Thread(target=forwarder.run, kwargs={"exit_when_idle_s": args.exit_when_idle},
-                                  name="trainmon-grafana", daemon=True)
+        # It runs until stopped: with --exit-when-idle it must outlive the engine, whose
+        # last alerts may come after the forwarder has been idle for that long.
+        thread = threading.Thread(target=forwarder.run, name="trainmon-grafana", daemon=True)
         thread.start()
     service = AlertService(config)
     service.stop = stop
     service.run(exit_when_idle_s=args.exit_when_idle)
+    log.info("trainmon alerts: stopped after %d records (%d replayed as warm-up), %d alerts, "
+             "%d engine errors", service.stats["records"], service.stats["warmup"],
+             service.stats["alerts"], service.stats["errors"])
     if thread is not None:
         if args.exit_when_idle is not None:
-            thread.join(timeout=max(30.0, 3 * args.exit_when_idle))  # let it forward the last alerts
+            # Forward the engine's last alerts: stop once the forwarder has been idle as long.
+            deadline = time.monotonic() + max(30.0, 3 * args.exit_when_idle)
+            while thread.is_alive() and time.monotonic() < deadline and \
+                    time.monotonic() - forwarder.idle_since < args.exit_when_idle:
+                time.sleep(0.2)
         stop.set()
         thread.join(timeout=15)
     return 0

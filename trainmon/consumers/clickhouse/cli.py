@@ -111,7 +111,10 @@ def replay_main(argv: list[str] | None = None) -> int:
         with sql_endpoint_for(target):
             loader = Loader(client, database=target.database, group_id=group,
                             topic_prefix=args.topic_prefix, max_rows=args.batch_rows,
-                            max_wait_s=args.batch_ms / 1000)
+                            max_wait_s=args.batch_ms / 1000,
+                            # A throwaway group: a dynamic member leaves it at close, so
+                            # it can be deleted (a static member would keep it non-empty).
+                            consumer_settings={"group_instance_id": None})
             names = [topics.topic_for(k, loader.stream.prefix) for k in RECORD_TYPES]
             loader.run(until=caught_up_with(loader.stream.consumer, names))
         _delete_group(group)
