@@ -114,8 +114,10 @@ class KafkaPythonTransport:
         log.debug("trainmon: Kafka gave up on a message (%s); spilling it", exc)
         self._on_undelivered([entry])
 
-    def serve(self) -> None:
-        pass  # kafka-python runs the callbacks on its own thread
+    def serve(self, timeout: float = 0.0) -> None:
+        # kafka-python runs the callbacks on its own thread: just wait for the answers.
+        with self._room:
+            self._room.wait_for(lambda: self._in_flight == 0, timeout)
 
     def flush(self, timeout: float) -> bool:
         from kafka.errors import KafkaError

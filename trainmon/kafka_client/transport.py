@@ -49,7 +49,7 @@ class Transport(Protocol):
     @property
     def in_flight(self) -> int: ...  # messages sent and not yet answered
     def send(self, entry: Entry) -> None: ...  # raises TransportUnavailable
-    def serve(self) -> None: ...  # hand finished deliveries to their callbacks, no waiting
+    def serve(self, timeout: float = 0.0) -> None: ...  # hand answers to their callbacks, waiting up to timeout for one
     def flush(self, timeout: float) -> bool: ...
     def close(self, timeout: float) -> None: ...
 
@@ -177,9 +177,9 @@ class ConfluentTransport:
         log.debug("trainmon: Kafka gave up on a message (%s); spilling it", error.str())
         self._on_undelivered([entry])
 
-    def serve(self) -> None:
+    def serve(self, timeout: float = 0.0) -> None:
         if self._producer is not None:
-            self._producer.poll(0)
+            self._producer.poll(timeout)
 
     def flush(self, timeout: float) -> bool:
         return self._producer is None or self._producer.flush(timeout) == 0

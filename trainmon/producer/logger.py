@@ -100,15 +100,14 @@ class Producer:
             observers.append(self._log_file)
         if cfg.console and cfg.rank == 0:
             observers.append(ConsoleLine())
-        # The worker lingers to gather records logged together; librdkafka then sends
-        # at once what it is given.
-        settings = TransportSettings(cfg.bootstrap, cfg.kafka, linger_ms=min(cfg.linger_ms, 5),
+        # The worker packs the records it finds queued; the client then sends at once.
+        settings = TransportSettings(cfg.bootstrap, cfg.kafka, linger_ms=0,
                                      batch_bytes=cfg.batch_size, max_message_bytes=cfg.max_message_bytes,
                                      compression=cfg.compression)
         self._worker = Worker(lambda on_undelivered: make_transport(cfg.client, settings, on_undelivered),
                               cfg.spill_dir, f"{_safe(cfg.run_id)}.{cfg.rank}",
                               queue_size=cfg.queue_size, yield_to_caller=cfg.yield_to_caller,
-                              linger_s=cfg.linger_ms / 1000, observers=observers,
+                              observers=observers,
                               max_record_bytes=cfg.max_message_bytes - 1024,
                               on_reject=lambda record, reason: self._reject(record.kind, reason))
         self_ref = weakref.ref(self)

@@ -6,9 +6,12 @@ spill file instead of holding them in memory, retrying with backoff. Modelled on
 Sentry SDK's worker: never block the caller, flush at exit.
 
 No polling when there is nothing to do: the thread sleeps until a record arrives in an
-empty queue, then lingers ``linger_s`` so that records logged together (a step, its GPU
-samples) leave as one message. While Kafka has not answered it wakes every few ms to
-collect the answers; while records wait in the spill file, at their retry time.
+empty queue. It then needs the GIL, which the training thread holds until its burst of
+log calls is done, so records logged together (the GPU records of one sample) leave
+together. Kafka's answers are collected at the next wake, or after a second at the
+latest while some are owed (they matter only when a message failed: it is spilled); a
+flush collects them at once. While records wait in the spill file, it wakes at their
+retry time. At 1-10 steps/s that is one wake per step.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ Observer = Callable[[Record], None]
 Rejecter = Callable[[Record, str], None]
 
 
-_ANSWER_POLL_S = 0.005  # while Kafka has messages unanswered
+_ANSWER_WAIT_S = 1.0  # while Kafka owes answers, collect them at least this often
 _YIELD_EVERY = 16  # records encoded between two GIL hand-backs to the training thread
 
 
@@ -52,11 +55,10 @@ class _Stop:
 
 class Worker:
     def __init__(self, make_transport, spill_dir, spill_name: str, queue_size: int = 100_000,
-                 yield_to_caller: bool = True, linger_s: float = 0.02,
+                 yield_to_caller: bool = True,
                  observers: list[Observer] | None = None, max_record_bytes: int = 1_000_000,
                  on_reject: Rejecter | None = None):
         self._make_transport = make_transport
-        self._linger_s = linger_s
         # A training loop wants the GIL back promptly; a bulk source (trainmon ingest),
         # whose own thread only produces records, is faster without the hand-backs.
         self._yield_to_caller = yield_to_caller
@@ -171,20 +173,17 @@ class Worker:
             except Exception:  # last resort: this thread is every later record's way to Kafka
                 log.exception("trainmon: the producer's sender thread hit an error; it goes on")
 
-    def _sleep_for(self) -> float | None:
-        """How long the thread may sleep with nothing queued; None: until woken."""
-        if self._transport.in_flight:
-            return _ANSWER_POLL_S
+    def _wait(self) -> None:
+        """Sleep until there is something to do."""
+        timeout = _ANSWER_WAIT_S if self._transport.in_flight else None
         if self._spill.count:
-            return max(0.01, self._retry_at - time.monotonic())
-        return None
+            retry_in = max(0.01, self._retry_at - time.monotonic())
+            timeout = retry_in if timeout is None else min(timeout, retry_in)
+        self._wakeup.wait(timeout)
 
     def _tick(self) -> bool:
         """Encode and deliver what is queued; True when told to stop."""
-        woken = self._wakeup.wait(self._sleep_for())
-        if woken and self._linger_s and not isinstance(self._items[-1] if self._items else None,
-                                                       (_Flush, _Stop)):
-            time.sleep(self._linger_s)  # let records logged together join this one
+        self._wait()
         self._wakeup.clear()
         self._transport.serve()
         entries: list[Entry] = []
@@ -304,14 +303,19 @@ class Worker:
     def _finish_flush(self, marker: _Flush) -> None:
         # Records spilled because Kafka was slow or away go out first; keep at it until
         # the deadline, as a large backlog only fits into Kafka as acknowledgements come.
-        while self._spill.count and time.monotonic() < marker.deadline:
-            self._retry_at = 0.0
-            self._deliver([])
-            if self._spill.count:
-                time.sleep(min(0.2, max(0.0, marker.deadline - time.monotonic())))
-        remaining = marker.deadline - time.monotonic()
-        marker.ok = (remaining > 0 and self._transport.flush(remaining)
-                     and self._spill.count == 0)
+        while True:
+            while self._spill.count and time.monotonic() < marker.deadline:
+                self._retry_at = 0.0
+                self._deliver([])
+                if self._spill.count:
+                    time.sleep(min(0.2, max(0.0, marker.deadline - time.monotonic())))
+            remaining = marker.deadline - time.monotonic()
+            flushed = remaining > 0 and self._transport.flush(remaining)
+            # Messages Kafka gave up on during that flush are back in the spill file:
+            # while there is time, send them again.
+            if not self._spill.count or marker.deadline - time.monotonic() < 0.5:
+                break
+        marker.ok = flushed and self._spill.count == 0
         marker.done.set()
 
 
