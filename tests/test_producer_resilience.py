@@ -169,8 +169,10 @@ def test_a_topic_limit_below_the_batch_size_names_the_setting_and_keeps_the_reco
         admin.create_topics([NewTopic(topic, 1, 1, topic_configs={"max.message.bytes": "3000"})])
         first = Producer(ProducerConfig(**config))
         with caplog.at_level(logging.ERROR, logger="trainmon.producer"):
-            for step in range(30):  # ~300 bytes each, ~9 kB packed
-                first.log_step(step, **step_fields(step))
+            # ~3.4 kB each: every batch is over the limit, however the records are packed
+            timers = {f"phase-{i}": 1.0 for i in range(200)}
+            for step in range(30):
+                first.log_step(step, timers=timers, **step_fields(step))
             assert not first.flush(5)
             first.close(timeout=2)
         assert "max.message.bytes" in caplog.text and first.spilled == 30
