@@ -157,7 +157,8 @@ def main() -> int:
             ready = time.perf_counter()
             visible = wait_rows(endpoint, "drain", total, timeout=600)
             print(f"consumer alone (service drains the topics into ClickHouse):")
-            print(f"  {total / (visible - ready):,.0f} records/s ({visible - ready:.2f} s)")
+            consumer_alone = total / (visible - ready)
+            print(f"  {consumer_alone:,.0f} records/s ({visible - ready:.2f} s)")
 
             # 2. Everything at once: producers -> Kafka -> ClickHouse.
             log_rate, spilled, began, delivered = burst(bootstrap, prefix, "burst", args.producers,
@@ -184,8 +185,12 @@ def main() -> int:
             p50, p99, worst = latency_ms(endpoint, "paced")
             print(f"paced: {args.paced_rate:,.0f} records/s for {args.paced_seconds:.0f} s")
             print(f"  log call -> row visible: p50 {p50:.0f} ms, p99 {p99:.0f} ms, max {worst:.0f} ms")
-            print(f"targets: sustained >= 20,000 records/s ({'met' if sustained >= 20_000 else 'missed'}), "
-                  f"paced p99 <= 2 s ({'met' if p99 <= 2000 else 'missed'})")
+            print("targets:")
+            for name, ok in [(f"consumer alone >= 150,000 records/s: {consumer_alone:,.0f}", consumer_alone >= 150_000),
+                             (f"end to end >= 60,000 records/s sustained: {sustained:,.0f}", sustained >= 60_000),
+                             (f"  (stretch) end to end >= 100,000 records/s: {sustained:,.0f}", sustained >= 100_000),
+                             (f"paced p99 log call -> row visible <= 1 s: {p99:,.0f} ms", p99 <= 1000)]:
+                print(f"  {'met   ' if ok else 'MISSED'}  {name}")
         finally:
             if service is not None:
                 service.terminate()

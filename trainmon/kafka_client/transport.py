@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -110,7 +111,8 @@ class ConfluentTransport:
         self.dropped = 0
         self.on_ack: Callable[[], None] | None = None
         self._told_topic_limit = False
-        os.register_at_fork(after_in_child=self._forget)
+        self_ref = weakref.ref(self)  # the hook must not keep every transport alive
+        os.register_at_fork(after_in_child=lambda: (t := self_ref()) is not None and t._forget())
 
     def _forget(self) -> None:
         if self._producer is not None:
