@@ -18,7 +18,8 @@ from typing import Callable
 
 from trainmon.consumers.alerts.config import load_config
 from trainmon.consumers.alerts.service import AlertService
-from trainmon.schemas import EvalRecord, GpuRecord, MoeRecord, Record, RunRecord, StepRecord
+from trainmon.schemas import (DiskRecord, EvalRecord, GpuHealthRecord, GpuRecord, MoeRecord, Record,
+                              RunRecord, StepRecord)
 
 UTC = timezone.utc
 Mutate = Callable[[int, int, dict, dict, dict], None]  # step, rank, step/gpu/moe fields
@@ -28,13 +29,15 @@ def synthetic_run(run_id: str, *, t0: float, ranks: int = 1, steps: int = 80, dt
                   seed: int = 0, mutate: Mutate | None = None, end: bool | set[int] = True,
                   stop_rank_at: dict[int, int] | None = None, first_step: int = 0,
                   only_ranks: set[int] | None = None, eval_every: int = 0,
-                  end_status: str = "success", end_reason: str | None = None) -> list[Record]:
+                  end_status: str = "success", end_reason: str | None = None,
+                  health_every: int = 0) -> list[Record]:
     """A healthy run: loss falling, grad norm ~1, steady step time, cool busy GPUs, a
     balanced MoE router. ``stop_rank_at`` {rank: last step} makes ranks go silent;
     ``first_step`` / ``only_ranks`` produce a later part of a run, for some ranks.
     ``eval_every``: an eval record every that many steps, its loss the step's plus 0.1 (a
     mutation sets it with ``step["eval_loss"]``); ``end_status`` / ``end_reason``: how the
-    run ends."""
+    run ends. ``health_every``: a gpu_health and a disk record every that many steps (a
+    mutation changes them through ``gpu["health"]`` / ``gpu["disk"]``)."""
     rng = random.Random(seed)
     stop_rank_at = stop_rank_at or {}
     out: list[Record] = []
@@ -61,9 +64,18 @@ def synthetic_run(run_id: str, *, t0: float, ranks: int = 1, steps: int = 80, dt
                        pcie_rx=0, pcie_tx=0, fan=0, throttle="app_clocks" if s % 10 == 0 else "")
             moe = dict(step=s, aux_loss=0.01, z_loss=0.001, expert_utilization=0.95, load_imbalance=1.3)
             step["eval_loss"] = step["loss"] + 0.1
+            gpu["health"] = dict(step=s, id=0, ecc_volatile_corrected=0, ecc_volatile_uncorrected=0,
+                                 remapped_rows_pending=False, remapped_rows_failed=False, xids=[],
+                                 pcie_replays=0)
+            gpu["disk"] = dict(step=s, path="/ckpt", free_bytes=800 << 30, total_bytes=1 << 40,
+                               used_bytes=(1 << 40) - (800 << 30))
             if mutate is not None:
                 mutate(s, r, step, gpu, moe)
             eval_loss = step.pop("eval_loss")
+            health, disk = gpu.pop("health"), gpu.pop("disk")
+            if health_every and s % health_every == 0:
+                out.append(GpuHealthRecord(**env(r, t, "gpu_health", s), **health))
+                out.append(DiskRecord(**env(r, t, "disk", s), **disk))
             out.append(StepRecord(**env(r, t, "step", s), **step))
             out.append(GpuRecord(**env(r, t, "gpu", s), **gpu))
             out.append(MoeRecord(**env(r, t, "moe", s), **moe))

@@ -81,23 +81,22 @@ def send_raw(bootstrap: str, messages: list[tuple[str, bytes | None, bytes, int 
     return [d.offset for d in sent]
 
 
-def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, int | None]:
-    """The group's committed offset per partition of the topic (None: nothing committed)."""
+def _per_partition(topic: str, ask, group: str | None, bootstrap: str) -> dict:
     consumer = Consumer(group, bootstrap=bootstrap)
     try:
         parts = [TopicPartition(topic, p) for p in consumer.partitions_for(topic)]
-        return {tp.partition: o for tp, o in consumer.committed(parts).items()}
+        return {tp.partition: o for tp, o in ask(consumer, parts).items()}
     finally:
         consumer.close()
+
+
+def committed_offsets(bootstrap: str, group: str, topic: str) -> dict[int, int | None]:
+    """The group's committed offset per partition of the topic (None: nothing committed)."""
+    return _per_partition(topic, lambda c, parts: c.committed(parts), group, bootstrap)
 
 
 def end_offsets(bootstrap: str, topic: str) -> dict[int, int]:
-    consumer = Consumer(None, bootstrap=bootstrap)
-    try:
-        parts = [TopicPartition(topic, p) for p in consumer.partitions_for(topic)]
-        return {tp.partition: o for tp, o in consumer.end_offsets(parts).items()}
-    finally:
-        consumer.close()
+    return _per_partition(topic, lambda c, parts: c.end_offsets(parts), None, bootstrap)
 
 
 def read_topic(bootstrap: str, topic: str, expected: int, timeout: float = 30.0) -> list:

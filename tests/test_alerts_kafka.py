@@ -35,6 +35,9 @@ SCENARIOS = [
     Scenario("eval_loss_spike", at(S, S + 2, step={"eval_loss": 4.0}), bad_run=dict(eval_every=5)),  # eval
     Scenario("moe_aux_loss", at(S, S + 5, moe={"aux_loss": 2.0}), step=S + 2),  # moe
     Scenario("gpu_memory_low", at(S, gpu={"dram_free": 100 << 20})),  # gpu, a threshold rule
+    Scenario("xid_critical", at(S, health={"xids": [79]}), bad_run=dict(health_every=5)),  # gpu_health
+    Scenario("checkpoint_disk_low", at(S, STEPS, disk={"free_bytes": 20 << 30}),
+             bad_run=dict(health_every=5)),  # disk
     Scenario("run_failed", step=STEPS - 1,  # run topic
              bad_run=dict(end_status="failed", end_reason="NCCL watchdog timeout: ALLREDUCE ran for 600034 ms")),
     Scenario("rank_mismatch", ranks=4, bad_run=dict(stop_rank_at={3: S}, end=False), alert_ranks=[3],
@@ -60,7 +63,8 @@ def alerts_by_run(kafka_broker, tmp_path_factory):
             send(producer, synthetic_run(f"{sc.rule}-bad", t0=t0, ranks=sc.ranks, seed=i,
                                          mutate=sc.mutate, **bad))
             send(producer, synthetic_run(f"{sc.rule}-ok", t0=t0, ranks=sc.ranks, steps=STEPS, seed=i,
-                                         eval_every=sc.bad_run.get("eval_every", 0)))
+                                         eval_every=sc.bad_run.get("eval_every", 0),
+                                         health_every=sc.bad_run.get("health_every", 0)))
     finally:
         producer.close()
     send_raw(bootstrap, [(topics.topic_for("step", prefix), b"garbage/0", bad, None) for bad in GARBAGE])

@@ -33,7 +33,8 @@ TEST_SETTINGS = dict(
 
 
 def at(first: int, last: int | None = None, **changes) -> Callable:
-    """A mutation setting ``changes`` (step=, gpu=, moe= dicts) on steps first..last."""
+    """A mutation setting ``changes`` (step=, gpu=, moe=, health=, disk= dicts) on steps
+    first..last (health / disk: the gpu_health and disk records, see ``health_every``)."""
     last = first if last is None else last
 
     def mutate(s, r, step, gpu, moe):
@@ -41,6 +42,8 @@ def at(first: int, last: int | None = None, **changes) -> Callable:
             step.update(changes.get("step", {}))
             gpu.update(changes.get("gpu", {}))
             moe.update(changes.get("moe", {}))
+            gpu["health"].update(changes.get("health", {}))
+            gpu["disk"].update(changes.get("disk", {}))
     return mutate
 
 

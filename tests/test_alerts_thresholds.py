@@ -26,6 +26,10 @@ CASES = {
     "gpu_memory_low": (dict(gpu={"dram_free": 100 << 20}), S),
     "moe_expert_utilization": (dict(moe={"expert_utilization": 0.3}), S + 2),
     "moe_load_imbalance": (dict(moe={"load_imbalance": 5.0}), S + 2),
+    "ecc_uncorrected": (dict(health={"ecc_volatile_uncorrected": 2}), S),
+    "remapped_rows_failed": (dict(health={"remapped_rows_failed": True}), S),
+    "xid_critical": (dict(health={"xids": [79]}), S),
+    "checkpoint_disk_low": (dict(disk={"free_bytes": 20 << 30}), S),
 }
 
 
@@ -39,13 +43,16 @@ def changes_from(first: int, changes: dict):
             step.update(changes.get("step", {}))
             gpu.update(changes.get("gpu", {}))
             moe.update(changes.get("moe", {}))
+            gpu["health"].update(changes.get("health", {}))
+            gpu["disk"].update(changes.get("disk", {}))
     return mutate
 
 
 @pytest.mark.parametrize("rule", list(CASES))
 def test_threshold_rule_fires_where_the_value_crosses_and_its_twin_is_silent(rule):
     changes, at_step = CASES[rule]
-    bad = synthetic_run(f"{rule}-bad", t0=T0, steps=S + 70, mutate=changes_from(S, changes), end=False)
+    bad = synthetic_run(f"{rule}-bad", t0=T0, steps=S + 70, mutate=changes_from(S, changes), end=False,
+                        health_every=1)
     alerts = run_engine(engine_with(), bad)
     fired = firing(alerts)
     assert [a.rule for a in fired] == [rule], [a.message for a in fired]
@@ -55,7 +62,7 @@ def test_threshold_rule_fires_where_the_value_crosses_and_its_twin_is_silent(rul
     assert f"{rule}-bad" in alert.message and spec.what in alert.message
     if spec.per_gpu:
         assert alert.incident_id.endswith("/rank0/gpu0#1")
-    ok = synthetic_run(f"{rule}-ok", t0=T0, steps=S + 70, end=False)
+    ok = synthetic_run(f"{rule}-ok", t0=T0, steps=S + 70, end=False, health_every=1)
     assert run_engine(engine_with(), ok) == []
 
 
@@ -78,3 +85,11 @@ def test_docs_show_the_threshold_table_as_generated():
     assert markdown_table() in doc, "regenerate it: python -m trainmon.consumers.alerts"
     for spec in THRESHOLD_RULES:
         assert getattr(Rules(), spec.name).severity == spec.severity
+
+
+def test_an_xid_alert_names_the_gpu_host_rank_and_the_codes():
+    bad = synthetic_run("xid", t0=T0, steps=S + 5, end=False, health_every=1,
+                        mutate=changes_from(S, dict(health={"xids": [79, 48]})))
+    (alert,) = firing(run_engine(engine_with(), bad))
+    assert alert.rule == "xid_critical" and alert.severity == "critical"
+    assert "GPU 0 of rank 0 on node0" in alert.message and "xids [79, 48]" in alert.message

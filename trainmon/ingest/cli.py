@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         sink = _DryRun(sys.stderr.buffer if from_stdin else sys.stdout.buffer)
     else:
         from ..producer import Producer, ProducerConfig
-        producer = Producer(ProducerConfig.from_env(run_id=run_id, yield_to_caller=False))
+        producer = Producer(ProducerConfig.from_env(run_id=run_id, yield_to_caller=False, linger_ms=20))
         sink = _Paced(producer)
     session = Session(run_id, sink, fmt=args.format, host=args.host, world_size=args.world_size)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import settings
-from .errors import KafkaError
 
 
 @dataclass(slots=True)
@@ -67,5 +66,3 @@ class Producer:
     def close(self, timeout_s: float = 10.0) -> None:
         self.flush(timeout_s)
 
-
-__all__ = ["Delivery", "KafkaError", "Producer"]

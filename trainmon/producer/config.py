@@ -69,7 +69,10 @@ class ProducerConfig:
     spill_dir: Path = field(default_factory=lambda: Path.home() / ".cache" / "trainmon" / "spill")
     queue_size: int = 100_000
     yield_to_caller: bool = True  # False for a bulk source: see Worker
-    linger_ms: int = 20
+    # How long the sender thread waits, once woken by a record, for more to pack with it.
+    # 0 for a training loop (at 1-10 steps/s a wait is one more wake-up per step); a bulk
+    # source (trainmon ingest) packs far more per message with a few ms.
+    linger_ms: int = 0
     batch_size: int = 256 * 1024
     compression: str | None = field(default_factory=lambda: default_compression())
     # Free space of this directory's filesystem, as disk records (see producer/disk.py).

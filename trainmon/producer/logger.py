@@ -107,7 +107,7 @@ class Producer:
         self._worker = Worker(lambda on_undelivered: make_transport(cfg.client, settings, on_undelivered),
                               cfg.spill_dir, f"{_safe(cfg.run_id)}.{cfg.rank}",
                               queue_size=cfg.queue_size, yield_to_caller=cfg.yield_to_caller,
-                              observers=observers,
+                              linger_s=cfg.linger_ms / 1000, observers=observers,
                               max_record_bytes=cfg.max_message_bytes - 1024,
                               on_reject=lambda record, reason: self._reject(record.kind, reason))
         self_ref = weakref.ref(self)

@@ -8,10 +8,11 @@ Sentry SDK's worker: never block the caller, flush at exit.
 No polling when there is nothing to do: the thread sleeps until a record arrives in an
 empty queue. It then needs the GIL, which the training thread holds until its burst of
 log calls is done, so records logged together (the GPU records of one sample) leave
-together. Kafka's answers are collected at the next wake, or after a second at the
-latest while some are owed (they matter only when a message failed: it is spilled); a
-flush collects them at once. While records wait in the spill file, it wakes at their
-retry time. At 1-10 steps/s that is one wake per step.
+together; a bulk source sets ``linger_s`` to pack more per message. Kafka's answers are
+collected at the next wake, or after a second at the latest while some are owed (they
+matter only when a message failed: it is spilled); a flush collects them at once. While
+records wait in the spill file, it wakes at their retry time. At 1-10 steps/s that is
+one wake per step.
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from collections import deque
 from functools import lru_cache
 from typing import Any, Callable
 
+from ..kafka_client.errors import TransportUnavailable
 from ..schemas import MAX_MESSAGE_BYTES, MAX_RECORDS_PER_MESSAGE, Record, count, encode, pack
 from ..schemas.jsonsafe import json_safe
-from ..kafka_client.errors import TransportUnavailable
 from .spill import Entry, SpillFile, claim_orphans
 
 log = logging.getLogger("trainmon.producer")
@@ -55,10 +56,11 @@ class _Stop:
 
 class Worker:
     def __init__(self, make_transport, spill_dir, spill_name: str, queue_size: int = 100_000,
-                 yield_to_caller: bool = True,
+                 yield_to_caller: bool = True, linger_s: float = 0.0,
                  observers: list[Observer] | None = None, max_record_bytes: int = 1_000_000,
                  on_reject: Rejecter | None = None):
         self._make_transport = make_transport
+        self._linger_s = linger_s
         # A training loop wants the GIL back promptly; a bulk source (trainmon ingest),
         # whose own thread only produces records, is faster without the hand-backs.
         self._yield_to_caller = yield_to_caller
@@ -114,8 +116,8 @@ class Worker:
                 self._keep([entry])
             return
         self._items.append((topic, key, record))
-        # Wake the worker when this record made the queue non-empty; it lingers, then
-        # takes everything queued by then. (It clears the event before draining, so a
+        # Wake the worker when this record made the queue non-empty; once it has the GIL
+        # it takes everything queued by then. (It clears the event before draining, so a
         # record appended after its last look always finds the queue empty again.)
         if len(self._items) == 1:
             self._wakeup.set()
@@ -179,13 +181,14 @@ class Worker:
         if self._spill.count:
             retry_in = max(0.01, self._retry_at - time.monotonic())
             timeout = retry_in if timeout is None else min(timeout, retry_in)
-        self._wakeup.wait(timeout)
+        if self._wakeup.wait(timeout) and self._linger_s and not isinstance(
+                self._items[-1] if self._items else None, (_Flush, _Stop)):
+            time.sleep(self._linger_s)  # a bulk source: let more records join these
 
     def _tick(self) -> bool:
         """Encode and deliver what is queued; True when told to stop."""
         self._wait()
         self._wakeup.clear()
-        self._transport.serve()
         entries: list[Entry] = []
         while self._items:
             item = self._items.popleft()
@@ -205,7 +208,8 @@ class Worker:
             self._finish_flush(item)
         if entries or (self._spill.count and time.monotonic() >= self._retry_at):
             self._deliver(entries)
-        self._transport.serve()
+        if self._transport.in_flight:
+            self._transport.serve()  # Kafka's answers so far (a failed message is spilled)
         return False
 
     def _encode(self, item: tuple) -> Entry | None:

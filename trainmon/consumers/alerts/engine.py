@@ -50,7 +50,7 @@ RULE_CLASSES = {
     "moe_z_loss": MoeZLossRule,
     **{spec.name: ThresholdRule for spec in THRESHOLD_RULES},
 }
-INPUT_KINDS = ("step", "eval", "moe", "gpu", "run")  # the record kinds the rules read
+INPUT_KINDS = ("step", "eval", "moe", "gpu", "gpu_health", "disk", "run")  # the kinds the rules read
 SILENCE_RULES = ("stalled",)  # stay open when a silent run is forgotten: it is still silent
 MAX_TOMBSTONES = 10_000
 STATE_VERSION = 2  # 2: the rules' own state changed shape (robust baselines)

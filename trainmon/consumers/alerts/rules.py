@@ -803,6 +803,8 @@ class ThresholdRule(Rule):
             held.append(f"{self.cfg.fire_after} records in a row")
         if self.cfg.fire_after_s:
             held.append(f"for {self.cfg.fire_after_s:g} s")
+        if spec.detail and (shown := getattr(r, spec.detail, None)) is not None:
+            held.insert(0, f"{spec.detail} {shown}")
         return self.bad(run, rank, step=r.step, t=t, value=value, threshold=limit, subject=subject,
                         message=(f"{spec.name.replace('_', ' ')} on {where}: {spec.what} "
                                  f"{'is ' if spec.op == '==' else ''}{spec.show(value)}{than}"

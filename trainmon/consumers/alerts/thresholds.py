@@ -45,6 +45,7 @@ class ThresholdSpec:
     clear_after: int = 1
     cooldown_s: float = 60.0
     per_gpu: bool = False  # one incident per GPU (rank3/gpu0) instead of one per run
+    detail: Optional[str] = None  # a field shown in the message as it is (the XID codes)
     bounds: tuple = ()  # pydantic Field constraints for the setting: (("ge", 0), ("le", 1))
 
     def value(self, record) -> float | None:
@@ -121,6 +122,34 @@ THRESHOLD_RULES: tuple[ThresholdSpec, ...] = (
         catches="the busiest expert gets more than 3x the mean load: its GPU holds up every "
                 "step and drops tokens at its capacity",
         checked_on="tests/test_alerts_thresholds.py (no corpus log prints it)"),
+    ThresholdSpec(
+        "ecc_uncorrected", "gpu_health", "ecc_volatile_uncorrected", ">", 0.0,
+        "uncorrected ECC errors since the driver loaded", param=None, severity="critical",
+        per_gpu=True, cooldown_s=3600.0,
+        catches="a double-bit memory error the GPU could not correct: the data on it may be "
+                "wrong and the job will likely crash; drain the GPU (naming GPU, host and rank)",
+        checked_on="tests/test_alerts_thresholds.py (NVML values; the corpus logs carry none)"),
+    ThresholdSpec(
+        "remapped_rows_failed", "gpu_health", "remapped_rows_failed", ">", 0.0,
+        "a failed row remapping", param=None, severity="critical", per_gpu=True,
+        cooldown_s=3600.0,
+        catches="the GPU could not remap a row with an uncorrectable error (Ampere and later): "
+                "the memory is bad and the GPU needs service",
+        checked_on="tests/test_alerts_thresholds.py (NVML values; the corpus logs carry none)"),
+    ThresholdSpec(
+        "xid_critical", "gpu_health", "xid_count", ">", 0.0, "critical XID events",
+        param=None, severity="critical", per_gpu=True, detail="xids",
+        catches="NVML reported critical XID errors (GPU fell off the bus, double-bit ECC, page "
+                "retirement, ...) since the GPU's previous health record; the codes are in the "
+                "message",
+        checked_on="tests/test_alerts_thresholds.py (NVML values; the corpus logs carry none)"),
+    ThresholdSpec(
+        "checkpoint_disk_low", "disk", "free_bytes", "<", float(50 << 30),
+        "free space on the checkpoint filesystem", param="min_free_bytes", unit="bytes",
+        cooldown_s=3600.0, bounds=(("ge", 0),),
+        catches="less than `min_free_bytes` left where checkpoints are written "
+                "(TRAINMON_CHECKPOINT_DIR): the next save fails",
+        checked_on="tests/test_alerts_thresholds.py (disk records come from the producer)"),
 )
 BY_NAME = {spec.name: spec for spec in THRESHOLD_RULES}
 
