@@ -354,11 +354,14 @@ def parse_log(path: Path) -> Parsed:
 
 def with_synthetic_clock(records: list[Record]) -> list[Record]:
     """Records stamped NO_TIME get the synthetic clock; timestamped ones keep their time and
-    set the clock."""
+    set the clock. In a log whose steps carry no time, a record that does (a warning dated
+    by the launcher's last timestamped line) gets the synthetic clock too: its time and the
+    synthetic one are not comparable, and live (``--follow``) they would be the same."""
+    timed_steps = any(r.kind == "step" and r.time != NO_TIME for r in records)
     clock, top, out = T0.timestamp(), None, []
     for r in records:
         advances = r.kind == "step" and (top is None or r.step > top)
-        if r.time != NO_TIME:
+        if r.time != NO_TIME and (timed_steps or r.kind == "step"):
             clock = r.time.timestamp()
         else:
             if advances:

@@ -18,8 +18,8 @@ from typing import Callable
 
 from trainmon.consumers.alerts.config import load_config
 from trainmon.consumers.alerts.service import AlertService
-from trainmon.schemas import (DiskRecord, EvalRecord, GpuHealthRecord, GpuRecord, MoeRecord, Record,
-                              RunRecord, StepRecord)
+from trainmon.schemas import (CheckpointRecord, DiskRecord, EvalRecord, GpuHealthRecord, GpuRecord,
+                              LogEventRecord, MoeRecord, Record, RunRecord, StepRecord)
 
 UTC = timezone.utc
 Mutate = Callable[[int, int, dict, dict, dict], None]  # step, rank, step/gpu/moe fields
@@ -30,14 +30,18 @@ def synthetic_run(run_id: str, *, t0: float, ranks: int = 1, steps: int = 80, dt
                   stop_rank_at: dict[int, int] | None = None, first_step: int = 0,
                   only_ranks: set[int] | None = None, eval_every: int = 0,
                   end_status: str = "success", end_reason: str | None = None,
-                  health_every: int = 0) -> list[Record]:
+                  health_every: int = 0, checkpoint_every: int = 0,
+                  log_events: bool = False) -> list[Record]:
     """A healthy run: loss falling, grad norm ~1, steady step time, cool busy GPUs, a
     balanced MoE router. ``stop_rank_at`` {rank: last step} makes ranks go silent;
     ``first_step`` / ``only_ranks`` produce a later part of a run, for some ranks.
     ``eval_every``: an eval record every that many steps, its loss the step's plus 0.1 (a
     mutation sets it with ``step["eval_loss"]``); ``end_status`` / ``end_reason``: how the
     run ends. ``health_every``: a gpu_health and a disk record every that many steps (a
-    mutation changes them through ``gpu["health"]`` / ``gpu["disk"]``)."""
+    mutation changes them through ``gpu["health"]`` / ``gpu["disk"]``). ``checkpoint_every``:
+    a 40 GiB checkpoint saved in about 20 s every that many steps (``gpu["checkpoint"]``;
+    None: no save). ``log_events``: the routine NCCL warning a healthy job prints now and
+    then (steps 3 and 40); a mutation adds its own through ``gpu["log_events"]``."""
     rng = random.Random(seed)
     stop_rank_at = stop_rank_at or {}
     out: list[Record] = []
@@ -69,16 +73,27 @@ def synthetic_run(run_id: str, *, t0: float, ranks: int = 1, steps: int = 80, dt
                                  pcie_replays=0)
             gpu["disk"] = dict(step=s, path="/ckpt", free_bytes=800 << 30, total_bytes=1 << 40,
                                used_bytes=(1 << 40) - (800 << 30))
+            gpu["checkpoint"] = dict(step=s, path=f"/ckpt/iter_{s:07d}", bytes=40 << 30,
+                                     duration_ms=20_000.0 * (1 + 0.1 * rng.uniform(-1, 1)))
+            routine = dict(level="warning", source="nccl", signature="NCCL WARN NET/IB : # : Got async event : port active",
+                           text="NCCL WARN NET/IB : mlx5_0:1 Got async event : port active")
+            gpu["log_events"] = ([dict(routine, count=1 if s == 3 else 2, first_step=3, last_step=s)]
+                                 if log_events and s in (3, 40) else [])
             if mutate is not None:
                 mutate(s, r, step, gpu, moe)
             eval_loss = step.pop("eval_loss")
             health, disk = gpu.pop("health"), gpu.pop("disk")
+            checkpoint, events = gpu.pop("checkpoint"), gpu.pop("log_events")
             if health_every and s % health_every == 0:
                 out.append(GpuHealthRecord(**env(r, t, "gpu_health", s), **health))
                 out.append(DiskRecord(**env(r, t, "disk", s), **disk))
             out.append(StepRecord(**env(r, t, "step", s), **step))
             out.append(GpuRecord(**env(r, t, "gpu", s), **gpu))
             out.append(MoeRecord(**env(r, t, "moe", s), **moe))
+            if checkpoint_every and s % checkpoint_every == 0 and s > 0 and checkpoint is not None:
+                out.append(CheckpointRecord(**env(r, t, "checkpoint", s), **checkpoint))
+            for i, event in enumerate(events):
+                out.append(LogEventRecord(**env(r, t, f"log_event{i}", s), **event))
             if eval_every and s % eval_every == 0 and s > 0:
                 out.append(EvalRecord(**env(r, t, "eval", s), step=s, eval_tokens=65536,
                                       duration_ms=500.0, loss=eval_loss))

@@ -1,13 +1,15 @@
 """A small, representative run for the dashboard tests: two ranks, 30 steps, evals, MoE,
-GPU, allocator and GPU-model records, and alerts (one resolved, two still open)."""
+GPU, GPU-health, allocator and GPU-model records, checkpoints and the disk they go to,
+warnings from the logs, and alerts (one resolved, two still open)."""
 
 from __future__ import annotations
 
 import math
 from datetime import datetime, timedelta, timezone
 
-from trainmon.schemas import (AlertRecord, AllocatorRecord, DatasetRecord, EvalRecord,
-                              GpuModelRecord, GpuRecord, MoeRecord, Record, RunRecord, StepRecord)
+from trainmon.schemas import (AlertRecord, AllocatorRecord, CheckpointRecord, DatasetRecord,
+                              DiskRecord, EvalRecord, GpuHealthRecord, GpuModelRecord, GpuRecord,
+                              LogEventRecord, MoeRecord, Record, RunRecord, StepRecord)
 
 RUN_ID = "dash-run"
 T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=timezone.utc)
@@ -59,7 +61,26 @@ def records() -> list[Record]:
                                               ("optimizer", 2**31), ("activations", 3 * 2**30))],
                     allocated=7 * 2**30, peak_allocated=9 * 2**30, active=7 * 2**30,
                     inactive=2**20, reserved=10 * 2**30, alloc_retries=0))
+            if step % 10 == 0:
+                out.append(GpuHealthRecord(
+                    **env(rank, t), step=step, id=rank, ecc_volatile_corrected=step * rank,
+                    ecc_volatile_uncorrected=0, ecc_aggregate_corrected=100 + step * rank,
+                    ecc_aggregate_uncorrected=0, remapped_rows_correctable=0,
+                    remapped_rows_uncorrectable=0, remapped_rows_pending=False,
+                    remapped_rows_failed=False, xids=[79] if (rank, step) == (1, 20) else [],
+                    pcie_replays=0))
+                out.append(DiskRecord(**env(rank, t), step=step, path="/ckpt", free_bytes=(500 - step) * 2**30,
+                                      total_bytes=2**40, used_bytes=2**40 - (500 - step) * 2**30))
+            if step in (7, 19):
+                out.append(LogEventRecord(
+                    **env(rank, t), level="warning", source="nccl", count=1 if step == 7 else 4,
+                    signature="NCCL WARN NET/IB : Got completion from peer # with status=#",
+                    text="NCCL WARN NET/IB : Got completion from peer 10.0.0.2<1234> with status=12",
+                    first_step=7, last_step=step))
         if step % 10 == 9:
+            out.append(CheckpointRecord(**env(0, t + 0.2), step=step, path=f"/ckpt/iter_{step:07d}",
+                                        bytes=40 * 2**30, duration_ms=20_000.0 + 100 * step,
+                                        free_bytes=(500 - step) * 2**30, total_bytes=2**40))
             out.append(EvalRecord(**env(0, t + 0.5), step=step, epoch=step / STEPS,
                                   eval_tokens=1024, duration_ms=50.0, loss=3.9 - step * 0.04))
     out += [

@@ -1,5 +1,5 @@
 """The alert service end to end on the real broker, for a few rules that cover every input
-topic (step, eval, moe, gpu, run) and both clocks (record time, the wall clock of a silent
+topic (step, eval, moe, gpu, gpu_health, disk, checkpoint, log_event, run) and both clocks (record time, the wall clock of a silent
 run): the anomalous run fires its rule at the right step, its healthy twin nothing. The
 rules' logic is tested in memory (test_alerts_rules.py, test_alerts_thresholds.py).
 
@@ -21,7 +21,7 @@ from trainmon.producer import Producer, ProducerConfig
 
 from .alerts_support import past_t0, run_until_idle, send, service_env, synthetic_run
 from .conftest import read_records, read_topic, send_raw
-from .test_alerts_rules import TEST_SETTINGS, Scenario, at
+from .test_alerts_rules import NCCL_BURST, SHAPE, TEST_SETTINGS, Scenario, at
 
 S = 50
 STEPS = 80
@@ -38,6 +38,9 @@ SCENARIOS = [
     Scenario("xid_critical", at(S, health={"xids": [79]}), bad_run=dict(health_every=5)),  # gpu_health
     Scenario("checkpoint_disk_low", at(S, STEPS, disk={"free_bytes": 20 << 30}),
              bad_run=dict(health_every=5)),  # disk
+    Scenario("checkpoint_slow", at(S, checkpoint={"duration_ms": 200_000.0}),
+             bad_run=dict(checkpoint_every=10)),  # checkpoint
+    Scenario("nccl_warning_burst", at(S, log_events=NCCL_BURST), bad_run=dict(log_events=True)),  # log_event
     Scenario("run_failed", step=STEPS - 1,  # run topic
              bad_run=dict(end_status="failed", end_reason="NCCL watchdog timeout: ALLREDUCE ran for 600034 ms")),
     Scenario("rank_mismatch", ranks=4, bad_run=dict(stop_rank_at={3: S}, end=False), alert_ranks=[3],
@@ -62,9 +65,9 @@ def alerts_by_run(kafka_broker, tmp_path_factory):
             bad.setdefault("steps", STEPS)
             send(producer, synthetic_run(f"{sc.rule}-bad", t0=t0, ranks=sc.ranks, seed=i,
                                          mutate=sc.mutate, **bad))
+            shape = {k: v for k, v in sc.bad_run.items() if k in SHAPE}
             send(producer, synthetic_run(f"{sc.rule}-ok", t0=t0, ranks=sc.ranks, steps=STEPS, seed=i,
-                                         eval_every=sc.bad_run.get("eval_every", 0),
-                                         health_every=sc.bad_run.get("health_every", 0)))
+                                         **shape))
     finally:
         producer.close()
     send_raw(bootstrap, [(topics.topic_for("step", prefix), b"garbage/0", bad, None) for bad in GARBAGE])

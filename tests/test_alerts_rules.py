@@ -28,7 +28,7 @@ TEST_SETTINGS = dict(
     loss_plateau_window=20, loss_plateau_fire_after=3, loss_plateau_clear_after=3,
     lr_zero_after_step=20, straggler_fire_after=3, stalled_min_s=30, rank_mismatch_grace_s=10,
     wall_clock_slack_s=1, loss_scale_collapse_warmup_steps=10, skipped_iterations_warmup_steps=10,
-    throughput_drop_fire_after_s=5, eval_loss_spike_window=3,
+    throughput_drop_fire_after_s=5, eval_loss_spike_window=3, ecc_corrected_rising_min_span_s=10,
 )
 
 
@@ -42,8 +42,10 @@ def at(first: int, last: int | None = None, **changes) -> Callable:
             step.update(changes.get("step", {}))
             gpu.update(changes.get("gpu", {}))
             moe.update(changes.get("moe", {}))
-            gpu["health"].update(changes.get("health", {}))
-            gpu["disk"].update(changes.get("disk", {}))
+            for part in ("health", "disk", "checkpoint"):
+                if part in changes:
+                    gpu[part] = None if changes[part] is None else {**gpu[part], **changes[part]}
+            gpu["log_events"] += changes.get("log_events", [])
     return mutate
 
 
@@ -68,6 +70,19 @@ def loss_scale_halving_from(first: int, times: int = 3):
         if s >= first:
             step["loss_scale"] = 65536.0 / 2 ** min(s - first + 1, times)
     return mutate
+
+
+def ecc_corrected_growing_from(first: int, per_step: int):
+    def mutate(s, r, step, gpu, moe):
+        if s >= first:
+            gpu["health"]["ecc_volatile_corrected"] = per_step * (s - first)
+    return mutate
+
+
+NCCL_BURST = [dict(level="warning", source="nccl", count=16, first_step=S, last_step=S,
+                   signature="NCCL WARN NET/IB : Got completion from peer # with status=# opcode=#",
+                   text="NCCL WARN NET/IB : Got completion from peer 10.0.0.7<49152> with status=12 "
+                        "opcode=0 len=0 vendor err 129 (Recv)")]
 
 
 def slower_from(first: int, factor: float):
@@ -127,7 +142,17 @@ SCENARIOS = [
     Scenario("gpu_throttle", at(S, gpu={"throttle": "hw_slowdown,sw_thermal"})),
     Scenario("moe_aux_loss", at(S, S + 5, moe={"aux_loss": 2.0}), step=S + 2),
     Scenario("moe_z_loss", at(S, S + 5, moe={"z_loss": 0.5}), step=S + 2),
+    Scenario("ecc_corrected_rising", ecc_corrected_growing_from(S, 50), step=S + 5,
+             bad_run=dict(health_every=5)),
+    Scenario("checkpoint_overdue", at(S, STEPS, checkpoint=None), step=S + 11,
+             bad_run=dict(checkpoint_every=10)),
+    Scenario("checkpoint_slow", at(S, checkpoint={"duration_ms": 200_000.0}), bad_run=dict(checkpoint_every=10)),
+    Scenario("checkpoint_disk_filling", at(S, STEPS, disk={"free_bytes": 100 << 30}),
+             bad_run=dict(checkpoint_every=10, health_every=5)),
+    Scenario("nccl_warning_burst", at(S, log_events=NCCL_BURST), bad_run=dict(log_events=True)),
 ]
+# The run's shape (which record kinds it has) is the healthy twin's too: only the anomaly differs.
+SHAPE = ("eval_every", "health_every", "checkpoint_every", "log_events")
 BY_RULE = {s.rule: s for s in SCENARIOS}
 
 
@@ -136,7 +161,7 @@ def test_every_rule_with_logic_has_a_scenario():
 
 
 def alerts_of(sc: Scenario, bad: bool, seed: int) -> list:
-    kwargs = dict(sc.bad_run) if bad else {k: v for k, v in sc.bad_run.items() if k == "eval_every"}
+    kwargs = dict(sc.bad_run) if bad else {k: v for k, v in sc.bad_run.items() if k in SHAPE}
     kwargs.setdefault("steps", STEPS)
     records = synthetic_run(f"{sc.rule}-{'bad' if bad else 'ok'}", t0=T0, ranks=sc.ranks, seed=seed,
                             mutate=sc.mutate if bad else None, **kwargs)
@@ -170,3 +195,26 @@ def test_anomaly_fires_at_the_right_step(rule):
 def test_same_run_without_the_anomaly_stays_silent(rule):
     sc = BY_RULE[rule]
     assert alerts_of(sc, False, seed=list(BY_RULE).index(rule)) == []
+
+
+def test_checkpoint_overdue_waits_for_the_checkpoint_topic_to_be_read():
+    """The service ticks only once every partition is read, so steps read ahead of a save
+    still unread on the checkpoint topic are no missing save; a tick after it is read
+    judges the save as made, and a tick with the save truly missing fires."""
+    records = synthetic_run("ckpt-order", t0=T0, steps=STEPS, checkpoint_every=10, end=False)
+    saves = [r for r in records if r.kind == "checkpoint"]
+    others = [r for r in records if r.kind != "checkpoint"]
+    engine = engine_with(**TEST_SETTINGS)
+    for r in saves[:4]:  # steps 10, 20, 30, 40: a cadence of 10
+        engine.process(r)
+    late = [r for r in others if r.kind != "step" or r.step <= 70]
+    out = [a for r in late for a in engine.process(r)]  # the step topic read up to step 70 ...
+    out += [a for r in saves[4:] for a in engine.process(r)]  # ... the saves at 50-70 after it
+    out += engine.tick()
+    assert firing(out) == []
+    missing = engine_with(**TEST_SETTINGS)
+    for r in saves[:4] + late:
+        missing.process(r)
+    (alert,) = firing(missing.tick())
+    assert alert.rule == "checkpoint_overdue" and alert.step == 70, alert.message
+    assert "since the save at step 40: 30 steps" in alert.message

@@ -97,7 +97,7 @@ def test_dashboards_are_what_the_build_script_writes():
 def test_dashboards_use_the_provisioned_source_and_a_run_variable():
     assert {d["title"] for d in DASHBOARDS} == {
         "trainmon / Run overview", "trainmon / Ranks", "trainmon / GPU", "trainmon / MoE",
-        "trainmon / Memory", "trainmon / Alerts"}
+        "trainmon / Memory", "trainmon / Health", "trainmon / Alerts"}
     assert len({d["uid"] for d in DASHBOARDS}) == len(DASHBOARDS)
     source = {"type": PROVISIONED_SOURCE["type"], "uid": PROVISIONED_SOURCE["uid"]}
     for dashboard in DASHBOARDS:

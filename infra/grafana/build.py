@@ -312,6 +312,91 @@ MEMORY_DASHBOARD = {
     ],
 }
 
+SAVES = (f"SELECT step, min(time) AS time, any(path) AS path, max(duration_ms) AS duration_ms, "
+         f"max(bytes) AS bytes\n      FROM checkpoint FINAL WHERE {RUN} AND event = 'saved' GROUP BY step")
+# Log events carry a running count per rank and message signature: the latest is the total.
+WARNING_TOTALS = ("SELECT rank, source, level, signature, max(count) AS n, any(text) AS text, "
+                  "min(first_step) AS first_step, max(last_step) AS last_step\n"
+                  f"      FROM log_event FINAL WHERE {RUN} AND {RANKS}\n"
+                  "      GROUP BY rank, source, level, signature")
+
+HEALTH_DASHBOARD = {
+    "uid": "trainmon-health", "title": "trainmon / Health", "ranks": True,
+    "description": "The rest of the production checklist: GPU error counters (ECC, row "
+                   "remapping, XID), checkpoints and the disk they go to, warnings the logs printed.",
+    "panels": [
+        timeseries("Corrected ECC errors", series("max(ecc_volatile_corrected)", "gpu_health",
+                                                  label=GPU_SERIES, where=RANKS, alias="errors"),
+                   description="Volatile count since the driver loaded; a steady climb is memory "
+                               "going bad (rule ecc_corrected_rising)."),
+        timeseries("Uncorrected ECC errors and XIDs",
+                   series("max(ecc_volatile_uncorrected)", "gpu_health", label=GPU_SERIES,
+                          where=RANKS, alias="uncorrected"),
+                   series("sum(xid_count)", "gpu_health", label=f"concat({GPU_SERIES}, ' xid')",
+                          where=RANKS, alias="critical XIDs"),
+                   description="Any uncorrected error or critical XID is an alert (ecc_uncorrected, "
+                               "xid_critical)."),
+        table("GPU health (latest per GPU)",
+              "SELECT rank, host, id AS gpu,\n"
+              "       argMax(ecc_volatile_corrected, time) AS ecc_corrected,\n"
+              "       argMax(ecc_volatile_uncorrected, time) AS ecc_uncorrected,\n"
+              "       argMax(ecc_aggregate_uncorrected, time) AS ecc_uncorrected_lifetime,\n"
+              "       argMax(remapped_rows_pending, time) AS remap_pending,\n"
+              "       argMax(remapped_rows_failed, time) AS remap_failed,\n"
+              "       argMax(retired_pages_double_bit, time) AS retired_pages_dbe,\n"
+              "       argMax(pcie_replays, time) AS pcie_replays,\n"
+              "       sum(xid_count) AS xid_events, arrayDistinct(arrayFlatten(groupArray(xids))) AS xid_codes\n"
+              "FROM gpu_health FINAL\n"
+              f"WHERE {RUN} AND {RANKS}\n"
+              "GROUP BY rank, host, gpu\n"
+              "ORDER BY ecc_uncorrected DESC, xid_events DESC, rank, gpu",
+              width=24, description="Empty cells: the GPU does not report that counter (not zero)."),
+        stat("Steps since the last checkpoint",
+             f"SELECT (SELECT max(step) FROM step WHERE {RUN}) - max(step) AS steps\n"
+             f"FROM checkpoint FINAL WHERE {RUN} AND event = 'saved'", width=6),
+        stat("Last save took", f"SELECT argMax(duration_ms, step) FROM ({SAVES})", unit="ms", width=6),
+        stat("Disk free now", f"SELECT argMax(free_bytes, time) FROM disk WHERE {RUN}",
+             unit="bytes", width=6),
+        stat("Warnings in the logs", f"SELECT sum(n) FROM ({WARNING_TOTALS})", width=6),
+        timeseries("Checkpoint save duration", series("max(duration_ms)", "checkpoint",
+                                                      where="event = 'saved'", alias="save"),
+                   unit="ms", description="A save much slower than the run's usual is an alert "
+                                          "(checkpoint_slow)."),
+        timeseries("Checkpoint disk free", series("min(free_bytes)", "disk",
+                                                  label="concat(host, ':', path)", alias="free"),
+                   unit="bytes", description="Free space where checkpoints go "
+                                             "(TRAINMON_CHECKPOINT_DIR); checkpoint_disk_filling "
+                                             "projects when it runs out."),
+        table("Checkpoints",
+              "SELECT step, time, steps_since_previous, seconds_since_previous, duration_ms, bytes, path\n"
+              "FROM (\n"
+              "    SELECT step, time, path, duration_ms, bytes,\n"
+              "           step - lagInFrame(step, 1, step) OVER w AS steps_since_previous,\n"
+              "           dateDiff('second', lagInFrame(time, 1, time) OVER w, time) AS seconds_since_previous\n"
+              f"    FROM ({SAVES})\n"
+              "    WINDOW w AS (ORDER BY step ROWS BETWEEN 1 PRECEDING AND CURRENT ROW)\n"
+              ")\n"
+              "ORDER BY step DESC\nLIMIT 100",
+              units={"duration_ms": "ms", "bytes": "bytes", "seconds_since_previous": "s"},
+              description="Time between checkpoints: a gap much longer than the cadence is an "
+                          "alert (checkpoint_overdue)."),
+        bar_chart("Warnings per rank",
+                  "SELECT concat('rank ', toString(rank)) AS rank_name, sum(n) AS warnings\n"
+                  f"FROM ({WARNING_TOTALS})\n"
+                  "GROUP BY rank\nORDER BY rank",
+                  description="NCCL, CUDA and Python warnings and errors the ingest parsers "
+                              "counted; a burst on one rank is an alert (nccl_warning_burst)."),
+        table("Warnings and errors in the logs",
+              "SELECT source, level, sum(n) AS count, groupArray(rank) AS ranks, min(first_step) AS first_step,\n"
+              "       max(last_step) AS last_step, any(text) AS example\n"
+              f"FROM ({WARNING_TOTALS})\n"
+              "GROUP BY source, level, signature\n"
+              "ORDER BY count DESC\nLIMIT 100",
+              width=24, description="One row per message signature (numbers, addresses and paths "
+                                    "masked), counted over ranks."),
+    ],
+}
+
 OPEN_INCIDENTS = (
     "SELECT run_id, rule, severity, incident_id, first_fired, last_value, message\n"
     "FROM (\n"
@@ -347,7 +432,8 @@ ALERTS_DASHBOARD = {
 }
 
 DASHBOARDS = {"run-overview": RUN_OVERVIEW, "ranks": RANKS_DASHBOARD, "gpu": GPU_DASHBOARD,
-              "moe": MOE_DASHBOARD, "memory": MEMORY_DASHBOARD, "alerts": ALERTS_DASHBOARD}
+              "moe": MOE_DASHBOARD, "memory": MEMORY_DASHBOARD, "health": HEALTH_DASHBOARD,
+              "alerts": ALERTS_DASHBOARD}
 
 
 def _layout(panels: list[dict]) -> list[dict]:

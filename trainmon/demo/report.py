@@ -109,6 +109,13 @@ def _plot_by_rank(ax, data: list[dict], value: str, log_scale: bool = False) -> 
         ax.set_yscale("log")
 
 
+def _table(title: str, data: list[dict]) -> str:
+    head = "".join(f"<th>{html.escape(k)}</th>" for k in data[0])
+    body = "".join("<tr>" + "".join(f"<td>{html.escape('' if v is None else str(v))}</td>"
+                                    for v in row.values()) + "</tr>" for row in data)
+    return f"<h2>{html.escape(title)}</h2><table><tr>{head}</tr>{body}</table>"
+
+
 def write_report(target: Target, run_id: str, path: Path) -> Path:
     import matplotlib
 
@@ -128,6 +135,20 @@ def write_report(target: Target, run_id: str, path: Path) -> Path:
                           f"GROUP BY step, name ORDER BY step, name")
     gpu = rows(target, f"SELECT rank, step, power, temperature, gpu_util, dram_free "
                        f"FROM trainmon.gpu FINAL WHERE {run} ORDER BY rank, step")
+    saves = rows(target, f"SELECT step, max(duration_ms) AS duration_ms, max(bytes) AS bytes "
+                         f"FROM trainmon.checkpoint FINAL WHERE {run} AND event = 'saved' "
+                         f"GROUP BY step ORDER BY step")
+    disk = rows(target, f"SELECT step, min(free_bytes) AS free_bytes FROM trainmon.disk FINAL "
+                        f"WHERE {run} GROUP BY step ORDER BY step")
+    health = rows(target, f"SELECT rank, id AS gpu, max(ecc_volatile_corrected) AS ecc_corrected, "
+                          f"max(ecc_volatile_uncorrected) AS ecc_uncorrected, "
+                          f"max(remapped_rows_failed) AS remap_failed, sum(xid_count) AS xid_events "
+                          f"FROM trainmon.gpu_health FINAL WHERE {run} GROUP BY rank, gpu ORDER BY rank, gpu")
+    warnings = rows(target, f"SELECT source, level, sum(n) AS count, groupArray(rank) AS ranks, "
+                            f"any(text) AS example FROM (SELECT rank, source, level, signature, "
+                            f"max(count) AS n, any(text) AS text FROM trainmon.log_event FINAL "
+                            f"WHERE {run} GROUP BY rank, source, level, signature) "
+                            f"GROUP BY source, level, signature ORDER BY count DESC LIMIT 20")
     alerts = [a for a in _alerts(target, run_id) if a["state"] == "firing"]
     figures: list[tuple[str, str]] = []
 
@@ -195,6 +216,17 @@ def write_report(target: Target, run_id: str, path: Path) -> Path:
         figures.append(("GPUs (NVML)", _png(fig)))
         plt.close(fig)
 
+    if saves or disk:
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+        axes[0].plot([c["step"] for c in saves], [(c["duration_ms"] or 0) / 1000 for c in saves], "o-")
+        axes[0].set_title("checkpoint save time (s)", fontsize=9)
+        axes[1].plot([d["step"] for d in disk], [int(d["free_bytes"]) / 2**30 for d in disk])
+        axes[1].set_title("checkpoint disk free (GiB)", fontsize=9)
+        for ax in axes:
+            ax.set_xlabel("step")
+        figures.append(("Checkpoints and their disk", _png(fig)))
+        plt.close(fig)
+
     alert_rows = "".join(
         f"<tr><td>{html.escape(a['rule'])}</td><td>{a['severity']}</td><td>{a['step']}</td>"
         f"<td>{html.escape(str(a['ranks']))}</td><td>{html.escape(a['message'])}</td></tr>"
@@ -203,6 +235,10 @@ def write_report(target: Target, run_id: str, path: Path) -> Path:
                    for title, png in figures)
     if not gpu:
         body += "<p>No GPU records: this run had no GPU (NVML sampler off).</p>"
+    if health:
+        body += _table("GPU health (NVML error counters; empty: not reported by the GPU)", health)
+    if warnings:
+        body += _table("Warnings and errors in the logs", warnings)
     path.write_text(f"""<!doctype html><html><head><meta charset="utf-8">
 <title>trainmon demo {html.escape(run_id)}</title>
 <style>body{{font-family:sans-serif;max-width:1000px;margin:auto}} td,th{{padding:2px 8px;

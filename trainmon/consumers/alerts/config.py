@@ -238,6 +238,58 @@ class MoeZLoss(MoeRouterLoss):
     rise: float = Field(1.0, gt=0)
 
 
+# -- GPU health, checkpoints, warnings in the log (health.py) ---------------------------------
+
+class EccCorrectedRising(RuleConfig):
+    # Corrected (single-bit) ECC errors at >= max_per_hour, measured over the GPU's health
+    # records of the last `window_s` once they span `min_span_s`: memory going bad, usually
+    # before the uncorrected error that ends the job.
+    max_per_hour: float = Field(100.0, gt=0)
+    window_s: float = Field(3600.0, gt=0)
+    min_span_s: float = Field(300.0, gt=0)
+    cooldown_s: float = Field(3600.0, ge=0)
+
+
+class CheckpointOverdue(RuleConfig):
+    # No checkpoint saved for more than `max_steps` steps or `max_minutes` of record time
+    # (either, when set), else for more than `factor` x the run's own median interval in
+    # steps between its saves (learned from its first two saves on).
+    max_steps: Optional[int] = Field(None, ge=1)
+    max_minutes: Optional[float] = Field(None, gt=0)
+    factor: float = Field(2.0, gt=1)
+    cooldown_s: float = Field(600.0, ge=0)
+
+
+class CheckpointSlow(RuleConfig):
+    # A save that took >= factor x the median duration of the run's last `window` saves
+    # (from `min_samples` saves) and at least `min_extra_s` longer than it.
+    factor: float = Field(3.0, gt=1)
+    min_extra_s: float = Field(30.0, ge=0)
+    window: int = Field(20, ge=2)
+    min_samples: int = Field(2, ge=1)
+
+
+class CheckpointDiskFilling(RuleConfig):
+    # The checkpoint filesystem has room for fewer than `min_saves_left` more checkpoints
+    # of the run's latest size; the message projects the time to full at its cadence.
+    min_saves_left: float = Field(3.0, gt=0)
+    cooldown_s: float = Field(3600.0, ge=0)
+
+
+class NcclWarningBurst(RuleConfig):
+    # >= max_warnings warning / error lines of `sources` on one rank within `window_s` of
+    # record time (log_event counts: the ingest parsers aggregate repeats).
+    max_warnings: int = Field(10, ge=1)
+    window_s: float = Field(600.0, gt=0)
+    sources: list[str] = Field(default_factory=lambda: ["nccl"])
+    cooldown_s: float = Field(600.0, ge=0)
+
+    @field_validator("sources", mode="before")
+    @classmethod
+    def _comma_separated(cls, v: Any) -> Any:
+        return [s.strip() for s in v.split(",") if s.strip()] if isinstance(v, str) else v
+
+
 def _threshold_config(spec: ThresholdSpec) -> type[RuleConfig]:
     fields: dict[str, Any] = {
         "severity": (Severity, spec.severity),
@@ -280,6 +332,11 @@ RULE_CONFIGS: dict[str, type[RuleConfig]] = {
     "gpu_throttle": GpuThrottle,
     "moe_aux_loss": MoeAuxLoss,
     "moe_z_loss": MoeZLoss,
+    "ecc_corrected_rising": EccCorrectedRising,
+    "checkpoint_overdue": CheckpointOverdue,
+    "checkpoint_slow": CheckpointSlow,
+    "checkpoint_disk_filling": CheckpointDiskFilling,
+    "nccl_warning_burst": NcclWarningBurst,
     **{spec.name: _threshold_config(spec) for spec in THRESHOLD_RULES},
 }
 

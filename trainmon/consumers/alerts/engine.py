@@ -12,6 +12,8 @@ from collections import OrderedDict, defaultdict
 
 from ...schemas import AlertRecord, Record
 from .config import AlertsConfig
+from .health import (CheckpointDiskFillingRule, CheckpointOverdueRule, CheckpointSlowRule,
+                     EccCorrectedRisingRule, NcclWarningBurstRule)
 from .incidents import IncidentBook
 from .ranks import RankMismatchRule, StalledRule, StragglerRule, TickRule
 from .rules import (EvalDivergenceRule, EvalLossSpikeRule, ExplodingGradRule, FrozenGradNormRule,
@@ -48,9 +50,15 @@ RULE_CLASSES = {
     "gpu_throttle": GpuThrottleRule,
     "moe_aux_loss": MoeAuxLossRule,
     "moe_z_loss": MoeZLossRule,
+    "ecc_corrected_rising": EccCorrectedRisingRule,
+    "checkpoint_overdue": CheckpointOverdueRule,
+    "checkpoint_slow": CheckpointSlowRule,
+    "checkpoint_disk_filling": CheckpointDiskFillingRule,
+    "nccl_warning_burst": NcclWarningBurstRule,
     **{spec.name: ThresholdRule for spec in THRESHOLD_RULES},
 }
-INPUT_KINDS = ("step", "eval", "moe", "gpu", "gpu_health", "disk", "run")  # the kinds the rules read
+INPUT_KINDS = ("step", "eval", "moe", "gpu", "gpu_health", "disk", "checkpoint", "log_event",
+               "run")  # the kinds the rules read
 SILENCE_RULES = ("stalled",)  # stay open when a silent run is forgotten: it is still silent
 MAX_TOMBSTONES = 10_000
 STATE_VERSION = 2  # 2: the rules' own state changed shape (robust baselines)

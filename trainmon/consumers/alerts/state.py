@@ -70,7 +70,11 @@ class RunState:
         return len(self.ranks) - self.ended_count + len(self.pending_ends)
 
     def all_ended(self) -> bool:
-        return self.ended_count == len(self.ranks)
+        """Every rank that trained (reported a step) has ended; in a run without steps,
+        every rank. A rank that only printed warnings or sent health records while others
+        trained (``trainmon ingest`` starts no run for it) does not hold the run open."""
+        trained = [rs for rs in self.ranks.values() if rs.last_step is not None]
+        return all(rs.ended for rs in trained or self.ranks.values())
 
     def active_ranks(self) -> list[RankState]:
         return [rs for rs in self.ranks.values() if not rs.ended and rs.last_step is not None]

@@ -1,0 +1,217 @@
+"""Rules over the rest of an operator's checklist: GPU error counters, checkpoints and the
+disk they go to, warnings a log printed.
+
+Plain limits on one field (uncorrected ECC errors, a failed row remapping, critical XIDs,
+too little free disk) are data in thresholds.py. These need history: a rate over the
+GPU's health records, the run's own checkpoint cadence and save time, a projection of
+the disk filling at the run's checkpoint size, a count of warnings within a window. Their
+state is plain JSON (lists and string-keyed dicts), so the default dump / load keep it.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from .ranks import TickRule
+from .rules import BaselineRule, Rule
+
+GiB = float(1 << 30)
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 2 * 3600:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 120:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds:.0f} s"
+
+
+class EccCorrectedRisingRule(Rule):
+    """Corrected ECC errors one at a time are routine; many an hour are memory going bad,
+    usually before the uncorrected error that ends the job. The volatile counter is
+    cumulative since the driver loaded, so the rate is its growth over the GPU's health
+    records of the last ``window_s`` (a counter that went down: the driver reloaded)."""
+
+    kinds = ("gpu_health",)
+
+    def new_state(self):
+        return {}  # GPU id (a string: JSON keys) -> [[record time, count], ...]
+
+    def observe(self, r, t, run, rank):
+        count = r.ecc_volatile_corrected
+        if count is None:
+            return None  # ECC off, or a GPU without it
+        samples = rank.slot(self).setdefault(str(r.id), [])
+        if samples and count < samples[-1][1]:
+            samples.clear()
+        samples.append([t, count])
+        while len(samples) > 2 and samples[1][0] <= t - self.cfg.window_s:
+            samples.pop(0)
+        span = t - samples[0][0]
+        if span < self.cfg.min_span_s:
+            return None  # too short a span for a rate
+        per_hour = (count - samples[0][1]) / span * 3600
+        subject = f"rank{rank.rank}/gpu{r.id}"
+        if per_hour < self.cfg.max_per_hour:
+            return self.good(run, rank, step=r.step, t=t, value=per_hour, subject=subject)
+        return self.bad(run, rank, step=r.step, t=t, value=per_hour, threshold=self.cfg.max_per_hour,
+                        subject=subject, message=(
+                            f"corrected ECC errors rising on GPU {r.id} of rank {rank.rank} on "
+                            f"{rank.host} (run {run.run_id}, step {r.step}): {per_hour:,.0f} an hour "
+                            f"over the last {_duration(span)} ({count - samples[0][1]:,} new, "
+                            f"{count:,} since the driver loaded; limit {self.cfg.max_per_hour:g} an "
+                            f"hour): memory going bad, plan to drain the GPU"))
+
+
+class CheckpointOverdueRule(TickRule):
+    """No checkpoint saved for longer than configured (steps or minutes), or than
+    ``factor`` x the run's own interval between saves where it saves on a fixed cadence
+    (``_regular``). Judged on the engine's tick, which
+    the service runs only once every partition is read: a save still unread on the
+    checkpoint topic while the step topic is ahead is no missing save."""
+
+    kinds = ("checkpoint",)
+
+    def observe(self, r, t, run, rank):
+        if r.event != "saved":
+            return None
+        st = run.slots.setdefault(self.name, {"step": None, "t": None, "intervals": []})
+        if st["step"] is not None and r.step > st["step"]:
+            st["intervals"] = (st["intervals"] + [r.step - st["step"]])[-10:]
+        if st["step"] is None or r.step >= st["step"]:
+            st["step"], st["t"] = r.step, t
+        return None
+
+    def tick(self, run, wall):
+        if run.max_step < 0 or run.last_progress is None:
+            return None
+        cfg = self.cfg
+        st = run.slots.get(self.name)
+        saved = st is not None and st["step"] is not None
+        if saved and run.max_step < st["step"]:
+            return None  # resumed from an earlier checkpoint; the run's steps catch up
+        if saved:
+            since, since_t, what = st["step"], st["t"], f"since the save at step {st['step']}"
+        elif (cfg.max_steps or cfg.max_minutes) and run.seen_steps:
+            since, since_t, what = run.seen_steps[0], run.seen_times[0], "since the run's first step"
+        else:
+            return None  # no save yet and no configured limit: nothing says how often it saves
+        steps = run.max_step - since
+        seconds = run.last_progress - since_t
+        limits = []
+        if cfg.max_steps and steps > cfg.max_steps:
+            limits.append(f"limit {cfg.max_steps} steps")
+        if cfg.max_minutes and seconds > 60 * cfg.max_minutes:
+            limits.append(f"limit {cfg.max_minutes:g} min")
+        usual = _regular(st["intervals"]) if saved else None
+        if not (cfg.max_steps or cfg.max_minutes) and usual:
+            if steps > cfg.factor * usual:
+                limits.append(f"{steps / usual:.1f}x the run's usual {usual:g} steps between saves, "
+                              f"limit {cfg.factor:g}x")
+        if not limits:
+            return self.good_run(run, run.last_progress)
+        return self.bad_run(run, [], step=run.max_step, time=run.last_progress, value=float(steps),
+                            threshold=None, message=(
+                                f"no checkpoint saved on run {run.run_id} {what}: {steps} steps and "
+                                f"{_duration(seconds)} of training at risk ({'; '.join(limits)})"))
+
+
+def _regular(intervals: list[int]) -> float | None:
+    """The run's interval between saves when it saves on a fixed cadence (its last three
+    intervals within 10 % of each other: Megatron's --save-interval, the HF Trainer's
+    save_steps); None otherwise. Saves on a growing schedule (nanoGPT's archive at steps
+    0, 1, 2, 4, 8, ...) or only when the eval improved are no cadence to be late for."""
+    last = intervals[-3:]
+    if len(last) < 3 or max(last) > 1.1 * min(last):
+        return None
+    return statistics.median(last)
+
+
+class CheckpointSlowRule(BaselineRule):
+    """A save much slower than the run's usual: a filesystem in trouble, or a node whose
+    writes hold up every rank (synchronous saves block training)."""
+
+    kinds = ("checkpoint",)
+    field, what = "duration_ms", "slow checkpoint save"
+
+    def judge(self, ms, w):
+        cfg, med, n = self.cfg, w.median, len(w.values)
+        if n < cfg.min_samples or med <= 0:
+            return None
+        if ms >= cfg.factor * med and ms - med >= cfg.min_extra_s * 1000:
+            return cfg.factor * med, (f"took {_duration(ms / 1000)}, {ms / med:.1f}x the median "
+                                      f"{_duration(med / 1000)} of its last {n} saves (limit "
+                                      f"{cfg.factor:g}x)"), False
+        return False
+
+
+class CheckpointDiskFillingRule(Rule):
+    """Free space on the checkpoint filesystem for fewer than ``min_saves_left`` more saves
+    of the run's latest checkpoint size, with the time to full at the run's cadence: the
+    save that fails comes after hours of training since the previous one."""
+
+    kinds = ("checkpoint", "disk")
+
+    def observe(self, r, t, run, rank):
+        st = run.slots.setdefault(self.name, {"bytes": None, "saves": []})
+        if r.kind == "checkpoint":
+            if r.event != "saved":
+                return None
+            if r.bytes:
+                st["bytes"] = r.bytes
+            st["saves"] = (st["saves"] + [t])[-10:]
+            if r.free_bytes is None:
+                return None
+        size = st["bytes"]
+        if not size:
+            return None  # no checkpoint size known: nothing to project
+        where = r.path if r.kind == "disk" else "the checkpoint filesystem"
+        subject = f"{rank.host}:{r.path if r.kind == 'disk' else 'checkpoint'}"
+        saves_left = r.free_bytes / size
+        if saves_left >= self.cfg.min_saves_left:
+            return self.good(run, rank, step=r.step, t=t, value=saves_left, subject=subject)
+        gaps = [b - a for a, b in zip(st["saves"], st["saves"][1:])]
+        cadence = statistics.median(gaps) if gaps else None
+        full = (f", full in about {_duration(saves_left * cadence)} at one save every "
+                f"{_duration(cadence)}" if cadence else "")
+        return self.bad(run, rank, step=r.step, t=t, value=saves_left, threshold=self.cfg.min_saves_left,
+                        subject=subject, message=(
+                            f"checkpoint disk filling on {rank.host} (run {run.run_id}, step {r.step}): "
+                            f"{r.free_bytes / GiB:,.1f} GiB free in {where} holds {saves_left:.1f} more "
+                            f"checkpoints of {size / GiB:,.1f} GiB (limit {self.cfg.min_saves_left:g})"
+                            f"{full}"))
+
+
+class NcclWarningBurstRule(Rule):
+    """Many NCCL warnings or errors on one rank in a short time: a flaky link or NIC, a
+    peer in trouble; often what a hang or a watchdog timeout on that rank comes from. The
+    log_event records carry running counts per message signature, so the rule adds up
+    their growth within ``window_s``."""
+
+    kinds = ("log_event",)
+
+    def new_state(self):
+        return {"counts": {}, "recent": []}  # signature -> count so far; [[time, new], ...]
+
+    def observe(self, r, t, run, rank):
+        if r.source not in self.cfg.sources:
+            return None
+        st = rank.slot(self)
+        new = r.count - st["counts"].get(r.signature, 0)
+        st["counts"][r.signature] = max(r.count, st["counts"].get(r.signature, 0))
+        if new > 0:
+            st["recent"].append([t, new, r.text[:200]])
+        st["recent"] = [x for x in st["recent"] if x[0] > t - self.cfg.window_s]
+        total = sum(x[1] for x in st["recent"])
+        step = r.last_step if r.last_step is not None else r.first_step
+        subject = f"rank{rank.rank}"
+        if total < self.cfg.max_warnings:
+            return self.good(run, rank, step=step, t=t, value=float(total), subject=subject)
+        worst = max(st["recent"], key=lambda x: x[1])
+        return self.bad(run, rank, step=step, t=t, value=float(total), threshold=float(self.cfg.max_warnings),
+                        subject=subject, check_stale=False, message=(
+                            f"{total} {'/'.join(self.cfg.sources).upper()} warnings on rank {rank.rank} "
+                            f"({rank.host}) of run {run.run_id} within {_duration(self.cfg.window_s)}"
+                            f"{f' up to step {step}' if step is not None else ''} (limit "
+                            f"{self.cfg.max_warnings}); the most frequent: {worst[2]!r}"))
+
