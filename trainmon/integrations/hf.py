@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 import time
 from pathlib import Path
 from typing import Any
