@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up everything trainmon needs on a fresh machine, idempotently:
 # a virtualenv in .venv, the Python packages (torch's CPU wheel from ../shared/wheels
-# when present, to skip a multi-GB CUDA download), and the Kafka broker jars via Maven.
+# when present, to skip a multi-GB CUDA download), the Kafka broker jars via Maven, and
+# Debian's chromium for the browser test.
 # Quiet when there is nothing to do; one progress line per long step otherwise.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,6 +40,16 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
     say "installing trainmon and its extras (a few minutes on a fresh machine)"
     pip_install -e '.[dev]'
     echo "$want" > "$stamp"
+fi
+
+# Debian's Chromium, for the report's browser test (headless). Root with apt-get only; a
+# machine without it runs everything else.
+if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    say "installing chromium (Debian package) for the browser test"
+    if ! apt-get install -y -q chromium >/tmp/trainmon-apt.log 2>&1; then
+        apt-get update -q >>/tmp/trainmon-apt.log 2>&1 || true
+        apt-get install -y -q chromium >>/tmp/trainmon-apt.log 2>&1 || say "chromium not installed: see /tmp/trainmon-apt.log"
+    fi
 fi
 
 # Kafka broker jars from Maven Central (cached outside git; prints only when fetching).

@@ -239,7 +239,7 @@ for name, sql in json.load(open(sys.argv[4])).items():
 client.close()
 if out_html != "-":
     from pathlib import Path
-    from trainmon.demo.report import write_report
+    from trainmon.report import write_report
     write_report(Target(path=path), "opt", Path(out_html))
 print(json.dumps(out, default=str))
 """

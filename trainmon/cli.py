@@ -21,6 +21,7 @@ DELEGATED = {
     "demo": ("trainmon.demo:main", "demo"),
     "roundtrip": ("trainmon.roundtrip:main", None),
     "ingest": ("trainmon.ingest.cli:main", None),
+    "report": ("trainmon.report:main", "report"),
 }
 CONSUMERS = {
     "clickhouse": ("trainmon.consumers.clickhouse.service:main", "clickhouse"),

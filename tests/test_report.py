@@ -1,0 +1,80 @@
+"""`trainmon report` for any run in ClickHouse, and the report in a real browser: headless
+Chromium loads it and every plot is drawn (a decoded image of real size), every section
+is there."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.dashboard_data import RUN_ID
+
+REPO = Path(__file__).resolve().parents[1]
+LOAD = """
+import sys
+from tests.dashboard_data import records
+from trainmon.consumers.clickhouse import Target, connect, create_all, insert_records
+client = connect(Target(path=sys.argv[1]))
+create_all(client)
+insert_records(client, records())
+client.close()
+"""
+# Appended to a copy of the report: what the browser made of it, once loaded.
+CHECK = """<script>window.addEventListener('load', () => {
+  const images = [...document.images];
+  const drawn = images.filter(i => i.complete && i.naturalWidth > 100 && i.naturalHeight > 100);
+  const out = document.createElement('pre'); out.id = 'browser-check';
+  out.textContent = JSON.stringify({images: images.length, drawn: drawn.length,
+    headings: [...document.querySelectorAll('h2')].map(h => h.textContent)});
+  document.body.appendChild(out);
+});</script>"""
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--virtual-time-budget=5000", "--dump-dom"]
+
+
+def trainmon(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "trainmon", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory) -> Path:
+    tmp = tmp_path_factory.mktemp("report")
+    db = tmp / "chdb"
+    subprocess.run([sys.executable, "-c", LOAD, str(db)], cwd=REPO, check=True, timeout=180)
+    done = trainmon("report", "--path", str(db), "-o", str(tmp / "report.html"))  # the newest run
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(tmp / "report.html")
+    missing = trainmon("report", "no-such-run", "--path", str(db), "-o", str(tmp / "none.html"))
+    assert missing.returncode == 1 and "no run 'no-such-run'" in missing.stderr
+    return tmp / "report.html"
+
+
+def test_the_report_holds_the_runs_plots_and_tables(report):
+    html = report.read_text()
+    assert f"trainmon report: {RUN_ID}" in html
+    assert html.count("<img src='data:image/png;base64,") == 6
+    assert "grad_norm_spike" in html  # the alerts that fired
+    assert "NCCL WARN NET/IB" in html  # the warnings table
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (scripts/bootstrap.sh installs it as root)")
+def test_headless_chromium_draws_every_plot(report, tmp_path):
+    page = tmp_path / "checked.html"
+    page.write_text(report.read_text().replace("</body>", CHECK + "</body>"))
+    done = subprocess.run(["chromium", *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}",
+                           page.as_uri()], capture_output=True, text=True, timeout=120)
+    found = re.search(r'<pre id="browser-check">(.*?)</pre>', done.stdout)
+    assert found, done.stderr[-2000:]
+    seen = json.loads(found.group(1))
+    assert seen["images"] == seen["drawn"] == 6
+    assert seen["headings"][:3] == ["Alerts that fired", "Loss, grad norm and learning rate, with alerts",
+                                    "Throughput and step time per rank"]
+    assert {"Checkpoints and their disk", "Warnings and errors in the logs", "GPUs (NVML)"} <= set(seen["headings"])
