@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER)
     p.set_defaults(func=lambda a: _call(*CONSUMERS[a.name], a.rest, streaming=True))
 
+    for action, text in STACK_ACTIONS.items():
+        sub.add_parser(action, help=text)
+
     for name, (target, extra) in DELEGATED.items():
         p = sub.add_parser(name, add_help=False, help=f"see 'trainmon {name} --help'")
         p.add_argument("rest", nargs=argparse.REMAINDER)
@@ -117,8 +120,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+STACK_ACTIONS = {"up": "start Kafka and the supervised consumers on this machine; prints the job's env line",
+                 "status": "the one-machine stack: Kafka, the supervisor, each consumer",
+                 "down": "stop the one-machine stack"}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in STACK_ACTIONS:
+        from .stack import main as stack_main
+
+        return stack_main(argv)
     if argv and argv[0] in DELEGATED:
         # Straight through: argparse's REMAINDER drops leading options ("sql --path P ...").
         return _call(*DELEGATED[argv[0]], argv[1:], streaming=argv[0] in ("replay", "ingest"))
