@@ -118,3 +118,34 @@ def test_kafka_security_settings_pass_through():
     assert settings.kafka_python(cfg.kafka, cfg.bootstrap) == {
         "bootstrap_servers": ["a:1", "b:2"], "security_protocol": "SASL_SSL",
         "sasl_mechanism": "PLAIN", "sasl_plain_username": "u", "sasl_plain_password": "p"}
+
+
+def test_a_record_kind_is_declared_once_by_its_model():
+    """Defining a model registers its kind: topics, per-step kinds (what the forwarders
+    mirror), W&B / Aim / TensorBoard names and the ClickHouse table derive from it."""
+    from trainmon import topics
+    from trainmon.consumers.alerts.engine import INPUT_KINDS, RULE_CLASSES
+    from trainmon.consumers.clickhouse.ddl import order_by
+    from trainmon.consumers.metric_names import scalars
+    from trainmon.schemas import RECORD_TYPES, STEP_KINDS, Record
+
+    assert list(RECORD_TYPES) == list(Record.registry)[:len(RECORD_TYPES)]
+    assert set(STEP_KINDS) == {"step", "eval", "moe", "gpu", "allocator", "gpu_health", "checkpoint", "disk"}
+    assert topics.all_topics("p.") == [f"p.{kind}" for kind in RECORD_TYPES] + ["p.deadletter"]
+    read = {k for cls in RULE_CLASSES.values() for k in cls.kinds}
+    assert read - {"step"} <= set(INPUT_KINDS) <= set(RECORD_TYPES)
+
+    class FanRecord(Record):  # a new kind, as a contributor would add it to records.py
+        kind = "test_fan"
+        step: int
+        rpm: float
+        label: str = "front"
+
+    try:
+        assert Record.registry["test_fan"] is FanRecord and FanRecord.per_step()
+        fan = FanRecord(run_id="r", rank=1, world_size=2, host="h", time="2026-01-01T00:00:00Z",
+                        event_id="e", step=3, rpm=1200.0)
+        assert [(s.metric, s.value) for s in scalars(fan)] == [("test_fan/rpm", 1200.0)]
+        assert "step" in order_by(FanRecord)
+    finally:
+        del Record.registry["test_fan"]

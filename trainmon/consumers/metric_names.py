@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..schemas import STEP_KINDS  # noqa: F401 (the forwarders' kinds, derived from the models)
 from ..schemas import (AllocatorRecord, CheckpointRecord, DiskRecord, EvalRecord, GpuHealthRecord,
                        GpuRecord, MoeRecord, Record, StepRecord)
 
@@ -49,7 +50,9 @@ _GPU_HEALTH_FIELDS = ("ecc_volatile_corrected", "ecc_volatile_uncorrected",
                       "nvlink_recovery_errors")
 _DISK_MIB_FIELDS = ("free_bytes", "used_bytes", "total_bytes")  # -> disk/free_mib, ...
 
-STEP_KINDS = ("step", "eval", "moe", "gpu", "allocator", "gpu_health", "checkpoint", "disk")
+
+
+ENVELOPE = frozenset(Record.model_fields)
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,10 @@ def scalars(record: Record) -> list[Scalar]:
         if record.alloc_retries is not None:
             out.append(Scalar("allocator/alloc_retries", float(record.alloc_retries)))
         return out
+    if record.per_step():  # a kind with no names of its own above: <kind>/<field>
+        return [Scalar(f"{record.kind}/{name}", float(value)) for name in type(record).model_fields
+                if name not in ENVELOPE and name != "step"
+                and isinstance(value := getattr(record, name), (int, float))]
     return []
 
 

@@ -26,8 +26,9 @@ from ..broker import Broker, free_port
 from ..consumers.clickhouse.cli import query
 from ..consumers.clickhouse.client import Target
 from ..consumers.clickhouse.sql_endpoint import find_endpoint
+from ..schemas import RECORD_TYPES
 
-TABLES = ["run", "dataset", "step", "eval", "moe", "allocator", "gpu", "gpu_model", "alert"]
+TABLES = list(RECORD_TYPES)  # one table per record kind
 
 # The alert thresholds are the engine's defaults; only time windows are shortened so a
 # 100-step demo can show the rules that need a grace period.

@@ -32,12 +32,10 @@ from .records import (
     StepRecord,
 )
 
-RECORD_TYPES: dict[str, type[Record]] = {
-    model.kind: model
-    for model in (StepRecord, EvalRecord, MoeRecord, GpuRecord, AllocatorRecord,
-                  DatasetRecord, GpuModelRecord, RunRecord, AlertRecord, GpuHealthRecord,
-                  CheckpointRecord, DiskRecord, LogEventRecord)
-}
+# kind -> model, every model of records.py in its order (each registers itself).
+RECORD_TYPES: dict[str, type[Record]] = dict(Record.registry)
+# The kinds whose records are one training step's (metric points).
+STEP_KINDS: tuple[str, ...] = tuple(kind for kind, model in RECORD_TYPES.items() if model.per_step())
 
 
 class DecodeError(ValueError):
@@ -122,7 +120,7 @@ def json_schemas() -> dict[str, dict]:
 
 
 __all__ = [
-    "MAX_MESSAGE_BYTES", "MAX_RECORDS_PER_MESSAGE", "RECORD_TYPES", "SCHEMA_VERSION", "DecodeError",
+    "MAX_MESSAGE_BYTES", "MAX_RECORDS_PER_MESSAGE", "RECORD_TYPES", "SCHEMA_VERSION", "STEP_KINDS", "DecodeError",
     "Record", "count", "decode", "encode", "json_schemas", "pack", "unpack",
     "StepRecord", "EvalRecord", "MoeRecord", "GpuRecord", "AllocatorRecord", "AllocatorSegment",
     "DatasetRecord", "GpuModelRecord", "RunRecord", "AlertRecord", "GpuHealthRecord",

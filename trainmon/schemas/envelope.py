@@ -23,6 +23,23 @@ class Record(BaseModel):
     model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants", validate_default=False)
 
     kind: ClassVar[str]
+    # Every record kind, in the order the models are declared (records.py): a kind is
+    # declared once, by its model; topics, tables, the forwarders' and the alert
+    # service's kind lists all derive from here.
+    registry: ClassVar[dict[str, type["Record"]]] = {}
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        kind = cls.__dict__.get("kind")
+        if isinstance(kind, str):
+            Record.registry[kind] = cls
+
+    @classmethod
+    def per_step(cls) -> bool:
+        """A record of one training step (it has a required ``step``): a metric point for
+        W&B / Aim / TensorBoard. Alerts, run, dataset, GPU-model, log-event records are not."""
+        field = cls.model_fields.get("step")
+        return field is not None and field.is_required()
 
     run_id: str = Field(min_length=1, max_length=256)
     rank: int = Field(ge=0)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
 
-from ...schemas import AlertRecord, Record
+from ...schemas import RECORD_TYPES, AlertRecord, Record
 from .config import AlertsConfig
 from .health import (CheckpointDiskFillingRule, CheckpointOverdueRule, CheckpointSlowRule,
                      EccCorrectedRisingRule, NcclWarningBurstRule)
@@ -57,8 +57,11 @@ RULE_CLASSES = {
     "nccl_warning_burst": NcclWarningBurstRule,
     **{spec.name: ThresholdRule for spec in THRESHOLD_RULES},
 }
-INPUT_KINDS = ("step", "eval", "moe", "gpu", "gpu_health", "disk", "checkpoint", "log_event",
-               "run")  # the kinds the rules read
+# The kinds the service reads: the engine's own (run lifecycle, step progress) and every
+# rule's, in the models' order; a rule over a new kind adds it here by naming it.
+INPUT_KINDS = tuple(kind for kind in RECORD_TYPES if kind in {
+    "run", "step", *(k for cls in RULE_CLASSES.values() for k in cls.kinds),
+    *(spec.kind for spec in THRESHOLD_RULES)})
 SILENCE_RULES = ("stalled",)  # stay open when a silent run is forgotten: it is still silent
 MAX_TOMBSTONES = 10_000
 STATE_VERSION = 2  # 2: the rules' own state changed shape (robust baselines)
