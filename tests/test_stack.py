@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -76,13 +77,16 @@ def alive(pid) -> bool:
 
 def test_up_job_kill_report_down(tmp_path):
     stack = tmp_path / "stack"
-    up = trainmon("up", "--dir", str(stack), "--port", str(free_port()))
+    up = trainmon("up", "--dir", str(stack), "--port", str(free_port()), "--with", "tensorboard")
     try:
         assert up.returncode == 0, up.stderr + up.stdout
         line = up.stdout.strip().splitlines()[-1]
         env = job_env(line, tmp_path)
         shown = trainmon("status", "--dir", str(stack))
-        assert shown.returncode == 0 and "clickhouse  running" in shown.stdout, shown.stdout
+        assert shown.returncode == 0, shown.stdout
+        for name in ("clickhouse", "alerts", "tensorboard"):
+            assert re.search(rf"^{name} +running \(pid \d+, up \d+m\d+s\), 0 restarts, lag \d+ records$",
+                             shown.stdout, re.M), shown.stdout
 
         def torchrun(phase: str) -> None:
             script = tmp_path / "job.py"
@@ -97,13 +101,15 @@ def test_up_job_kill_report_down(tmp_path):
         steps = "SELECT count() FROM step WHERE run_id = 'up-run'"
         wait_for("phase a in ClickHouse", lambda: sql(env, steps) == str(2 * STEPS), 60)
 
-        killed = status(stack)["consumers"]["clickhouse"]["pid"]
+        killed = status(stack)["services"]["clickhouse"]["pid"]
         os.kill(killed, signal.SIGKILL)
-        back = wait_for("the consumer back", lambda: alive(status(stack)["consumers"]["clickhouse"]["pid"])
-                        and status(stack)["consumers"]["clickhouse"]["pid"] != killed, 10)
+        back = wait_for("the consumer back", lambda: alive(status(stack)["services"]["clickhouse"]["pid"])
+                        and status(stack)["services"]["clickhouse"]["pid"] != killed, 10)
         assert back <= 10
         shown = trainmon("status", "--dir", str(stack))
-        assert "clickhouse  running" in shown.stdout and "1 restarts, last exit -9" in shown.stdout, shown.stdout
+        assert re.search(r"^clickhouse +running .*, 1 restarts, last exit -9, lag", shown.stdout, re.M), shown.stdout
+        logs = trainmon("logs", "--dir", str(stack))
+        assert "clickhouse exited with -9" in logs.stdout and "restarting clickhouse (restart 1)" in logs.stdout
 
         torchrun("b")  # through the restarted consumer
         wait_for("phase b in ClickHouse", lambda: sql(env, steps) == str(4 * STEPS), 60)
@@ -111,6 +117,8 @@ def test_up_job_kill_report_down(tmp_path):
         assert sql(env, "SELECT count(), uniqExact(event_id), uniqExact(rank, step) FROM step "
                         "WHERE run_id = 'up-run'") == "\t".join([str(4 * STEPS)] * 3)
         assert sql(env, "SELECT count() FROM eval WHERE run_id = 'up-run'") == str(2 * 2 * STEPS // 10)
+
+        wait_for("the TensorBoard forwarder's event files", lambda: list((stack / "tensorboard").rglob("events.out.tfevents.*")), 30)
 
         report = trainmon("report", "up-run", "-o", str(tmp_path / "report.html"), env=env)
         assert report.returncode == 0, report.stderr
@@ -121,7 +129,7 @@ def test_up_job_kill_report_down(tmp_path):
         down = trainmon("down", "--dir", str(stack))
     assert down.returncode == 0, down.stderr
     assert before is not None
-    pids = [before["supervisor"], *(c["pid"] for c in before["consumers"].values())]
+    pids = [before["supervisor"], *(c["pid"] for c in before["services"].values())]
     wait_for("every process gone", lambda: not any(alive(p) for p in pids), 30)
     assert trainmon("status", "--dir", str(stack)).returncode == 1
-    assert "kafka       stopped" in trainmon("status", "--dir", str(stack)).stdout
+    assert re.search(r"^kafka +stopped", trainmon("status", "--dir", str(stack)).stdout, re.M)

@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 STACK_ACTIONS = {"up": "start Kafka and the supervised consumers on this machine; prints the job's env line",
-                 "status": "the one-machine stack: Kafka, the supervisor, each consumer",
+                 "status": "the one-machine stack: Kafka, the supervisor, each service with uptime, restarts, lag",
+                 "logs": "a service's log from the one-machine stack",
                  "down": "stop the one-machine stack"}
 
 

@@ -57,3 +57,20 @@ def delete_group(group: str, *, env: dict | None = None, bootstrap: str | None =
         _admin(env, bootstrap).delete_consumer_groups([group], request_timeout=timeout_s)[group].result(timeout_s)
     except (KafkaException, FutureTimeout) as exc:
         raise KafkaError(f"delete group {group}: {exc!r}") from exc
+
+
+def group_lag(group: str, topics: list[str], *, env: dict | None = None, bootstrap: str | None = None,
+              timeout_s: float = 10.0) -> int:
+    """Records on ``topics`` the group has not committed yet (a partition it never
+    committed counts from its start). Asked without joining the group."""
+    from .consumer import Consumer
+    from .types import TopicPartition
+
+    reader = Consumer(group, env=env, bootstrap=bootstrap)
+    try:
+        parts = [TopicPartition(t, p) for t in topics for p in reader.partitions_for(t)]
+        committed = reader.committed(parts, timeout_s)
+        return sum(max(0, reader.watermarks(tp, timeout_s=timeout_s)[1] - (committed.get(tp) or 0))
+                   for tp in parts)
+    finally:
+        reader.close()
