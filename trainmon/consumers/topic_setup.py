@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from ..kafka_client import KafkaError, create_topics
+from ..kafka_client import KafkaError, create_topics, wait_for_leaders
 
 log = logging.getLogger("trainmon.consumers")
 
@@ -26,3 +26,7 @@ def ensure_topics(wanted: list[str], env: dict | None = None) -> None:
         return
     if created:
         log.info("created topics: %s", ", ".join(created))
+        # Subscribing before their leaders are known would leave them out of the first
+        # assignment until the next metadata refresh (10 s), and rebalance then.
+        if not wait_for_leaders(created, env=env):
+            log.warning("topics %s have no leader yet; continuing", ", ".join(created))

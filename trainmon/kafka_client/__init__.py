@@ -8,7 +8,7 @@ the code sees is this small API: partitions are plain ``(topic, partition)`` tup
 errors are :class:`KafkaError`, settings come from ``TRAINMON_KAFKA_*`` (:mod:`.settings`).
 """
 
-from .admin import create_topics, delete_group, group_lag, list_topics
+from .admin import create_topics, delete_group, group_lag, list_topics, wait_for_leaders
 from .consumer import Consumer, RawMessage
 from .errors import KafkaError
 from .producer import Delivery, Producer
@@ -16,4 +16,5 @@ from .settings import bootstrap_servers
 from .types import TopicPartition
 
 __all__ = ["Consumer", "Delivery", "KafkaError", "Producer", "RawMessage", "TopicPartition",
-           "bootstrap_servers", "create_topics", "delete_group", "group_lag", "list_topics"]
+           "bootstrap_servers", "create_topics", "delete_group", "group_lag", "list_topics",
+           "wait_for_leaders"]

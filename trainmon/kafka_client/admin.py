@@ -47,6 +47,30 @@ def create_topics(names: list[str], partitions: int | None = None, *, env: dict 
         raise KafkaError(f"create topics: {exc}") from exc
 
 
+def wait_for_leaders(names: list[str], *, env: dict | None = None, bootstrap: str | None = None,
+                     timeout_s: float = 10.0) -> bool:
+    """Wait until every partition of ``names`` has a leader in the cluster's metadata (a
+    topic created a moment ago has none yet: a consumer subscribing then would leave it
+    out of its assignment until its next metadata refresh). False at the deadline."""
+    import time
+
+    from confluent_kafka import KafkaException
+
+    admin = _admin(env, bootstrap)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            known = admin.list_topics(timeout=max(0.5, deadline - time.monotonic())).topics
+            if all(n in known and known[n].error is None and known[n].partitions
+                   and all(p.leader >= 0 for p in known[n].partitions.values()) for n in names):
+                return True
+        except KafkaException:
+            pass
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
 def delete_group(group: str, *, env: dict | None = None, bootstrap: str | None = None,
                  timeout_s: float = 10.0) -> None:
     from concurrent.futures import TimeoutError as FutureTimeout

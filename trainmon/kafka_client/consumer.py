@@ -23,7 +23,8 @@ from .types import TopicPartition
 log = logging.getLogger("trainmon.kafka")
 
 Callback = Callable[[list[TopicPartition]], None]
-_METADATA_TTL_S = 5.0
+_METADATA_TTL_S = 30.0  # partitions are added rarely (by hand); a new one is seen within this
+_UNKNOWN_TOPIC_RETRY_S = 1.0
 
 
 @dataclass(slots=True)
@@ -68,7 +69,8 @@ class Consumer:
         self._on_revoke: Callback | None = None
         self._assigning: dict[TopicPartition, int] | None = None  # seeks asked in on_assign
         self._paused_in_assign: list[TopicPartition] = []
-        self._partitions_cache: dict[str, tuple[float, list[int]]] = {}
+        self._partitions_cache: dict[str, list[int]] = {}
+        self._metadata_at = -1e9
         self.closed = False
 
     # -- group membership ------------------------------------------------------------
@@ -172,12 +174,23 @@ class Consumer:
 
     def position(self, tp: TopicPartition) -> int:
         """The next offset this consumer will hand out for ``tp``."""
-        position = self._positions.get(tp)
-        if position is None:
-            committed = self.committed([tp]).get(tp)
-            position = committed if committed is not None else self.watermarks(tp)[0]
-            self._positions[tp] = position
-        return position
+        return self.positions([tp])[tp]
+
+    def positions(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
+        """``position`` of many partitions, with one committed-offsets request for those
+        not read from yet. A broker call waits behind the consumer's own fetch (up to
+        fetch.wait.max.ms on the same connection), so one per partition adds up."""
+        partitions = list(partitions)
+        unknown = [tp for tp in partitions if tp not in self._positions]
+        if unknown:
+            committed = self.committed(unknown)
+            for tp in unknown:
+                offset = committed.get(tp)
+                if offset is None:  # nothing committed: reading starts at the log's start
+                    low = self.watermarks(tp, cached=True)[0]
+                    offset = low if low >= 0 else self.watermarks(tp)[0]
+                self._positions[tp] = offset
+        return {tp: self._positions[tp] for tp in partitions}
 
     def committed(self, partitions: list[TopicPartition], timeout_s: float = 10.0) -> dict[TopicPartition, int | None]:
         from confluent_kafka import TopicPartition as _TP
@@ -219,17 +232,19 @@ class Consumer:
     # -- metadata ------------------------------------------------------------------------
 
     def partitions_for(self, topic: str) -> list[int]:
-        """The topic's partitions (metadata cached for a few seconds; [] if unknown)."""
-        cached = self._partitions_cache.get(topic)
-        if cached and time.monotonic() - cached[0] < _METADATA_TTL_S:
-            return cached[1]
-        with translated(f"metadata of {topic}"):
-            metadata = self._consumer.list_topics(topic, timeout=10)
-        described = metadata.topics.get(topic)
-        parts = sorted(described.partitions) if described is not None and described.error is None else []
-        if parts:  # a topic not there yet is asked about again next time
-            self._partitions_cache[topic] = (time.monotonic(), parts)
-        return parts
+        """The topic's partitions ([] if unknown). One metadata request answers for every
+        topic and is kept for _METADATA_TTL_S (a topic not there yet: asked again after
+        _UNKNOWN_TOPIC_RETRY_S): a request waits behind the consumer's fetch on the same
+        connection, so asking per topic, per check, costs seconds."""
+        now = time.monotonic()
+        stale = now - self._metadata_at >= _METADATA_TTL_S
+        if stale or (topic not in self._partitions_cache and now - self._metadata_at >= _UNKNOWN_TOPIC_RETRY_S):
+            with translated("metadata"):
+                metadata = self._consumer.list_topics(timeout=10)
+            self._partitions_cache = {name: sorted(t.partitions) for name, t in metadata.topics.items()
+                                      if t.error is None and t.partitions}
+            self._metadata_at = time.monotonic()
+        return self._partitions_cache.get(topic, [])
 
     def topics(self) -> set[str]:
         with translated("list topics"):

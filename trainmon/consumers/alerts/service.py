@@ -150,11 +150,11 @@ class AlertService:
             for p in consumer.partitions_for(topic):
                 if TopicPartition(topic, p) not in assigned:
                     return False  # a topic whose partitions the group has not handed out yet
-        for tp in assigned:
-            high = consumer.watermarks(tp, cached=True)[1]  # as of the last fetch
-            if high < 0 or consumer.position(tp) < high:
-                return False
-        return True
+        highs = {tp: consumer.watermarks(tp, cached=True)[1] for tp in assigned}  # as of the last fetch
+        if any(high < 0 for high in highs.values()):
+            return False
+        positions = consumer.positions(assigned)
+        return all(positions[tp] >= high for tp, high in highs.items())
 
     def _checkpoint(self, stream: RecordStream, alert_log: AlertLog) -> None:
         consumer = stream.consumer
