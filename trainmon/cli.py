@@ -13,15 +13,18 @@ import os
 import sys
 from pathlib import Path
 
-# command -> (module:function, the extra that brings its dependencies)
+# command -> (module:function, the extra that brings its dependencies, one line for --help)
 DELEGATED = {
-    "sql": ("trainmon.consumers.clickhouse.cli:sql_main", "clickhouse"),
-    "replay": ("trainmon.consumers.clickhouse.cli:replay_main", "clickhouse"),
-    "clickhouse": ("trainmon.consumers.clickhouse.cli:clickhouse_main", "clickhouse"),
-    "demo": ("trainmon.demo:main", "demo"),
-    "roundtrip": ("trainmon.roundtrip:main", None),
-    "ingest": ("trainmon.ingest.cli:main", None),
-    "report": ("trainmon.report:main", "report"),
+    "ingest": ("trainmon.ingest.cli:main", None,
+               "read a training job's console log (Megatron, NeMo, torchtitan, nanoGPT, HF, ...) into records"),
+    "sql": ("trainmon.consumers.clickhouse.cli:sql_main", "clickhouse", "run SQL on the trainmon tables"),
+    "report": ("trainmon.report:main", "report", "write the HTML report of a run (the newest by default)"),
+    "replay": ("trainmon.consumers.clickhouse.cli:replay_main", "clickhouse",
+               "rebuild the ClickHouse tables from the topics, from offset 0"),
+    "clickhouse": ("trainmon.consumers.clickhouse.cli:clickhouse_main", "clickhouse",
+                   "ClickHouse housekeeping: create the tables, print the DDL"),
+    "demo": ("trainmon.demo:main", "demo", "the demo: broker, consumers, a 4-rank CPU training run, a report"),
+    "roundtrip": ("trainmon.roundtrip:main", None, "send a few records through a throwaway broker and read them back"),
 }
 CONSUMERS = {
     "clickhouse": ("trainmon.consumers.clickhouse.service:main", "clickhouse"),
@@ -61,7 +64,12 @@ def cmd_broker(args) -> int:
     if args.action == "fetch":
         print(broker.fetch())
         return 0
-    b = broker.Broker(args.data_dir, port=args.port, heap=args.heap)
+    # Without --port: the port the broker of this data directory was started with, else
+    # Kafka's usual 9092 for a new one.
+    port = args.port or int(os.environ.get("TRAINMON_BROKER_PORT", 0))
+    if not port and not (Path(args.data_dir) / "broker.json").exists():
+        port = 9092
+    b = broker.Broker(args.data_dir, port=port, heap=args.heap)
     if args.action == "start":
         b.start()
         b.create_topics(topics.all_topics())
@@ -90,8 +98,11 @@ def cmd_schema(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="trainmon", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="trainmon", description="trainmon: training-run metrics through Kafka into ClickHouse, "
+        "W&B / Aim / TensorBoard and alert rules.",
+        epilog="Start here: 'trainmon up', then run your job with the line it prints.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("schema", help="print the JSON Schema of each record type")
     p.add_argument("kind", nargs="?")
@@ -100,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("broker", help="fetch, start, stop the local Kafka broker (KRaft)")
     p.add_argument("action", choices=["fetch", "start", "stop", "status"])
     p.add_argument("--data-dir", type=Path, default=_default_broker_dir())
-    p.add_argument("--port", type=int, default=int(os.environ.get("TRAINMON_BROKER_PORT", 0)) or 9092)
+    p.add_argument("--port", type=int, default=None,
+                   help="default: $TRAINMON_BROKER_PORT, the data directory's broker's, else 9092")
     p.add_argument("--heap", default="512m")
     p.set_defaults(func=cmd_broker)
 
@@ -113,8 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     for action, text in STACK_ACTIONS.items():
         sub.add_parser(action, help=text)
 
-    for name, (target, extra) in DELEGATED.items():
-        p = sub.add_parser(name, add_help=False, help=f"see 'trainmon {name} --help'")
+    for name, (target, extra, text) in DELEGATED.items():
+        p = sub.add_parser(name, add_help=False, help=text)
         p.add_argument("rest", nargs=argparse.REMAINDER)
         p.set_defaults(func=lambda a, t=target, e=extra: _call(t, e, a.rest))
     return parser
@@ -134,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         return stack_main(argv)
     if argv and argv[0] in DELEGATED:
         # Straight through: argparse's REMAINDER drops leading options ("sql --path P ...").
-        return _call(*DELEGATED[argv[0]], argv[1:], streaming=argv[0] in ("replay", "ingest"))
+        target, extra, _ = DELEGATED[argv[0]]
+        return _call(target, extra, argv[1:], streaming=argv[0] in ("replay", "ingest"))
     args = build_parser().parse_args(argv)
     return args.func(args)
 
