@@ -25,12 +25,16 @@ create_all(client)
 insert_records(client, records())
 client.close()
 """
-# Appended to a copy of the report: what the browser made of it, once loaded.
+# Put into a copy of the report: errors while it loads (a script, an image that does not
+# decode), and what the browser made of it once loaded.
+WATCH = """<script>window.loadErrors = [];
+window.addEventListener('error', e => loadErrors.push(String(e.message || (e.target && e.target.tagName))), true);
+</script>"""
 CHECK = """<script>window.addEventListener('load', () => {
   const images = [...document.images];
   const drawn = images.filter(i => i.complete && i.naturalWidth > 100 && i.naturalHeight > 100);
   const out = document.createElement('pre'); out.id = 'browser-check';
-  out.textContent = JSON.stringify({images: images.length, drawn: drawn.length,
+  out.textContent = JSON.stringify({images: images.length, drawn: drawn.length, errors: loadErrors,
     headings: [...document.querySelectorAll('h2')].map(h => h.textContent)});
   document.body.appendChild(out);
 });</script>"""
@@ -68,13 +72,13 @@ def test_the_report_holds_the_runs_plots_and_tables(report):
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="needs Debian's chromium (scripts/bootstrap.sh installs it as root)")
 def test_headless_chromium_draws_every_plot(report, tmp_path):
     page = tmp_path / "checked.html"
-    page.write_text(report.read_text().replace("</body>", CHECK + "</body>"))
+    page.write_text(report.read_text().replace("<head>", "<head>" + WATCH, 1).replace("</body>", CHECK + "</body>"))
     done = subprocess.run(["chromium", *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}",
                            page.as_uri()], capture_output=True, text=True, timeout=120)
     found = re.search(r'<pre id="browser-check">(.*?)</pre>', done.stdout)
     assert found, done.stderr[-2000:]
     seen = json.loads(found.group(1))
-    assert seen["images"] == seen["drawn"] == 6
+    assert seen["errors"] == [] and seen["images"] == seen["drawn"] == 6
     assert seen["headings"][:3] == ["Alerts that fired", "Loss, grad norm and learning rate, with alerts",
                                     "Throughput and step time per rank"]
     assert {"Checkpoints and their disk", "Warnings and errors in the logs", "GPUs (NVML)"} <= set(seen["headings"])

@@ -88,9 +88,10 @@ def write_report(target: Target, run_id: str, path: Path) -> Path:
     moe = rows(target, f"SELECT step, avg(aux_loss) AS aux_loss, avg(z_loss) AS z_loss, "
                        f"avg(expert_utilization) AS utilization, max(load_imbalance) AS imbalance "
                        f"FROM trainmon.moe FINAL WHERE {run} GROUP BY step ORDER BY step")
-    memory = rows(target, f"SELECT step, name, sum(device) AS bytes FROM trainmon.allocator FINAL "
-                          f"ARRAY JOIN stats.name AS name, stats.device AS device WHERE {run} "
-                          f"GROUP BY step, name ORDER BY step, name")
+    memory = rows(target, f"SELECT step, name, sum(device) AS bytes, sum(pinned + pageable) AS host "
+                          f"FROM trainmon.allocator FINAL ARRAY JOIN stats.name AS name, "
+                          f"stats.device AS device, stats.pinned AS pinned, stats.pageable AS pageable "
+                          f"WHERE {run} GROUP BY step, name ORDER BY step, name")
     gpu = rows(target, f"SELECT rank, step, power, temperature, gpu_util, dram_free "
                        f"FROM trainmon.gpu FINAL WHERE {run} ORDER BY rank, step")
     saves = rows(target, f"SELECT step, max(duration_ms) AS duration_ms, max(bytes) AS bytes "
@@ -152,15 +153,23 @@ def write_report(target: Target, run_id: str, path: Path) -> Path:
         figures.append(("Mixture of experts (mean over ranks; imbalance: worst rank)", _png(fig)))
         plt.close(fig)
 
-    if memory:
+    # A CPU run's segments hold host memory and no device bytes: show what it has.
+    where = "device" if any(int(m["bytes"]) for m in memory) else "host"
+    memory_note = ""
+    if memory and where == "host" and not any(int(m["host"]) for m in memory):
+        memory_note = "<p>Memory: the allocator records hold no device or host bytes.</p>"
+    elif memory:
         fig, ax = plt.subplots(figsize=(10, 3.5))
         for name in sorted({m["name"] for m in memory}):
             points = [m for m in memory if m["name"] == name]
-            ax.plot([m["step"] for m in points], [int(m["bytes"]) / 2**20 for m in points], label=name)
+            ax.plot([m["step"] for m in points],
+                    [int(m["bytes" if where == "device" else "host"]) / 2**20 for m in points], label=name)
         ax.set_ylabel("MiB (all ranks)")
         ax.set_xlabel("step")
         ax.legend(fontsize=8)
-        figures.append(("Memory by segment (allocator records)", _png(fig)))
+        title = ("Memory by segment (allocator records)" if where == "device" else
+                 "Host memory by segment (pinned + pageable; no device memory: a CPU run)")
+        figures.append((title, _png(fig)))
         plt.close(fig)
 
     if gpu:
@@ -191,6 +200,7 @@ def write_report(target: Target, run_id: str, path: Path) -> Path:
         for a in alerts)
     body = "".join(f"<h2>{html.escape(title)}</h2><img src='data:image/png;base64,{png}'>"
                    for title, png in figures)
+    body += memory_note
     if not gpu:
         body += "<p>No GPU records: this run had no GPU (NVML sampler off).</p>"
     if health:
