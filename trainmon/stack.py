@@ -98,7 +98,7 @@ class Supervisor:
     def __init__(self, stack: Path, bootstrap: str):
         self.stack = stack
         plan = json.loads((stack / "services.json").read_text())
-        self.env = {**os.environ, "TRAINMON_KAFKA_BOOTSTRAP": bootstrap}
+        self.env = {**os.environ, **plan.get("env", {}), "TRAINMON_KAFKA_BOOTSTRAP": bootstrap}
         self.children = [Child(s) for s in services(stack, plan["with"], plan["ui"])]
         self.stop = threading.Event()
 
@@ -190,7 +190,9 @@ def broker_of(stack: Path, port: int | None = None) -> Broker:
     return Broker(stack / "broker", port=port)
 
 
-def up(stack: Path, port: int, extra: list[str], ui: str | None, timeout: float = 90.0) -> int:
+def up(stack: Path, port: int, extra: list[str], ui: str | None, timeout: float = 90.0,
+       env: dict | None = None, announce: bool = True) -> int:
+    """``env``: settings for the services (the demo's shorter alert windows)."""
     from . import topics
 
     stack.mkdir(parents=True, exist_ok=True)
@@ -205,7 +207,7 @@ def up(stack: Path, port: int, extra: list[str], ui: str | None, timeout: float 
         print(f"trainmon: starting Kafka on {broker.bootstrap}", file=sys.stderr)
         broker.start()
     broker.create_topics(topics.all_topics())
-    (stack / "services.json").write_text(json.dumps({"with": extra, "ui": ui}))
+    (stack / "services.json").write_text(json.dumps({"with": extra, "ui": ui, "env": env or {}}))
     with open(stack / "supervisor.log", "ab") as log:
         supervisor = subprocess.Popen(
             [sys.executable, "-m", "trainmon.stack", "supervise", str(stack), broker.bootstrap],
@@ -218,6 +220,8 @@ def up(stack: Path, port: int, extra: list[str], ui: str | None, timeout: float 
             return 1
         time.sleep(0.2)
     names = ", ".join(read_status(stack)["services"])
+    if not announce:
+        return 0
     print(f"trainmon: up: Kafka on {broker.bootstrap}; {names} (logs: trainmon logs NAME). "
           "In the training job's environment:")
     print(env_line(broker.bootstrap, stack))
@@ -270,7 +274,7 @@ def show_logs(stack: Path, name: str, lines: int, follow: bool) -> int:
     return subprocess.call(["tail", "-n", str(lines), *(["-F"] if follow else []), str(path)])
 
 
-def down(stack: Path, timeout: float = 90.0) -> int:
+def down(stack: Path, timeout: float = 90.0, announce: bool = True) -> int:
     status = read_status(stack)
     if status is not None:
         os.kill(status["supervisor"], signal.SIGTERM)
@@ -280,7 +284,8 @@ def down(stack: Path, timeout: float = 90.0) -> int:
     broker = broker_of(stack)
     if broker.running():
         broker.stop()
-    print("trainmon: down")
+    if announce:
+        print("trainmon: down")
     return 0
 
 

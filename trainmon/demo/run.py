@@ -14,15 +14,14 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .. import topics
-from ..broker import Broker, free_port
+from .. import stack
+from ..broker import free_port
 from ..consumers.clickhouse.cli import query
 from ..consumers.clickhouse.client import Target
 from ..consumers.clickhouse.sql_endpoint import find_endpoint
@@ -74,22 +73,6 @@ class Progress:
         print(f"[{self.n}/{self.total} {time.monotonic() - self.started:5.1f}s] {text}", flush=True)
 
 
-def _service(name: str, env: dict, logs: Path) -> subprocess.Popen:
-    log = open(logs / f"{name}.log", "wb")
-    return subprocess.Popen([sys.executable, "-m", "trainmon", "consume", name], env=env,
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _stop(process: subprocess.Popen, timeout: float = 30) -> None:
-    if process.poll() is None:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 def _rows(target: Target, sql: str) -> list[dict]:
     out = query(target, sql, "JSONEachRow").decode()
     return [json.loads(line) for line in out.splitlines() if line.strip()]
@@ -124,28 +107,24 @@ def main(argv: list[str] | None = None) -> int:
                         nan_step=75, nan_rank=1 % args.ranks)
     progress = Progress(6)
 
-    progress("starting the Kafka broker (KRaft, single node on loopback)")
-    broker = Broker(out / "kafka").start()
-    services: list[subprocess.Popen] = []
+    progress("starting the stack as 'trainmon up' does: Kafka (KRaft, loopback) and the supervised "
+             "consumers, ClickHouse (embedded chDB) and the alerts engine")
+    stack_dir = out / "stack"
+    started = stack.up(stack_dir, free_port(), [], None, env=DEMO_ALERT_ENV, announce=False)
     try:
-        broker.create_topics(topics.all_topics())
-        target = Target(path=out / "chdb")
-        env = {**os.environ, **DEMO_ALERT_ENV,
-               "TRAINMON_KAFKA_BOOTSTRAP": broker.bootstrap,
+        if started != 0:
+            raise RuntimeError(f"the stack did not start; see {stack_dir}/*.log")
+        target = Target(path=stack_dir / "clickhouse")
+        env = {**os.environ,
+               "TRAINMON_KAFKA_BOOTSTRAP": stack.broker_of(stack_dir).bootstrap,
                "TRAINMON_CLICKHOUSE_PATH": str(target.path),
                "TRAINMON_RUN_ID": run_id,
                "TRAINMON_SPILL_DIR": str(out / "spill"),
                "PYTHONUNBUFFERED": "1"}
-
-        progress("starting the consumers: ClickHouse (embedded chDB) and the alerts engine")
-        services = [_service("clickhouse", env, out / "logs"), _service("alerts", env, out / "logs")]
-        # Wait for the service's SQL endpoint, never open the directory ourselves: chDB
-        # locks it, and a service starting while we held it would find it busy.
-        clickhouse_service = services[0]
-        _wait_for(lambda: find_endpoint(target.path) is not None
-                  or clickhouse_service.poll() is not None, 120)
-        if find_endpoint(target.path) is None:
-            raise RuntimeError(f"the ClickHouse consumer did not start; see {out / 'logs'}")
+        # The report reads through the service's SQL endpoint, never the directory itself:
+        # chDB locks it, and a service starting while we held it would find it busy.
+        if not _wait_for(lambda: find_endpoint(target.path) is not None, 120):
+            raise RuntimeError(f"the ClickHouse consumer did not start; see {stack_dir}/clickhouse.log")
 
         progress(f"training a tiny MoE language model on {args.ranks} ranks (gloo, CPU), "
                  f"{args.steps} steps, run {run_id}")
@@ -176,8 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         _wait_for(lambda: _rows(target, "SELECT count() AS n FROM trainmon.alert FINAL "
                                         "WHERE state = 'resolved'")[0]["n"] > 0, 20)
         time.sleep(2)  # the last alerts in flight land in their next batch
-        for service in services:
-            _stop(service)
+        stack.down(stack_dir, announce=False)  # the services write what they hold, then stop
 
         progress("what happened")
         from .report import check_injected, print_summary, write_report
@@ -192,6 +170,4 @@ def main(argv: list[str] | None = None) -> int:
               f"\"SELECT * FROM trainmon.alert FINAL\"")
         return 1 if missed else 0
     finally:
-        for service in services:
-            _stop(service)
-        broker.stop()
+        stack.down(stack_dir, announce=False)
