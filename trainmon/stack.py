@@ -281,6 +281,14 @@ def down(stack: Path, timeout: float = 90.0, announce: bool = True) -> int:
         deadline = time.monotonic() + timeout
         while _alive(status["supervisor"]) and time.monotonic() < deadline:
             time.sleep(0.2)
+    # A supervisor that died without stopping its services (kill -9) left them running.
+    try:
+        left = json.loads((stack / "status.json").read_text())["services"].values()
+    except (OSError, ValueError, KeyError):
+        left = []
+    for service in left:
+        if _alive(service["pid"]):
+            os.kill(service["pid"], signal.SIGTERM)
     broker = broker_of(stack)
     if broker.running():
         broker.stop()
