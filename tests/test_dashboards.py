@@ -116,6 +116,25 @@ def test_dashboards_use_the_provisioned_source_and_a_run_variable():
         assert "trainmon alerts" in names
 
 
+def test_every_dashboard_shows_the_annotations_the_forwarder_writes():
+    """The Grafana forwarder's tags for an alert of a run include every tag a dashboard's
+    annotation query asks for, with that run in the run_id variable."""
+    from trainmon.consumers.alerts.grafana import annotation_tags
+    from trainmon.schemas import AlertRecord
+
+    alert = AlertRecord(run_id=RUN_ID, rank=0, world_size=2, host="h", time=T0, event_id="a1",
+                        ranks=[0], rule="grad_spike", severity="warning", state="firing",
+                        incident_id="inc-1", step=3, message="grad norm spike")
+    for dashboard in DASHBOARDS:
+        queries = [a for a in dashboard["annotations"]["list"]
+                   if a["datasource"]["type"] == "grafana" and a.get("target", {}).get("type") == "tags"]
+        assert len(queries) == 1 and queries[0]["enable"], dashboard["title"]
+        wanted = [tag.replace("${run_id}", RUN_ID) for tag in queries[0]["target"]["tags"]]
+        assert not queries[0]["target"]["matchAny"] and set(wanted) <= set(annotation_tags(alert))
+        other_run = alert.model_copy(update={"run_id": "another-run"})
+        assert not set(wanted) <= set(annotation_tags(other_run))
+
+
 def test_alert_rule_reads_the_provisioned_source():
     [rule] = ALERT_RULES
     refs = {q["refId"]: q for q in rule["data"]}

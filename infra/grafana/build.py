@@ -52,6 +52,14 @@ ALERT_ANNOTATION = {
             "ORDER BY time"),
     },
 }
+# The annotations `trainmon consume alerts` writes to Grafana (GRAFANA_URL), found by their
+# tags: every dashboard shows those of its run. With the forwarder on, they mark the same
+# incidents as the ClickHouse markers above (either can be switched off in the dashboard).
+FORWARDED_ANNOTATION = {
+    "name": "trainmon alerts (Grafana annotations)", "enable": True, "iconColor": "orange",
+    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+    "target": {"type": "tags", "tags": ["trainmon", "run_id:${run_id}"], "matchAny": False, "limit": 500},
+}
 BUILTIN_ANNOTATION = {
     "builtIn": 1, "datasource": {"type": "grafana", "uid": "-- Grafana --"}, "enable": True,
     "hide": True, "iconColor": "rgba(0, 211, 255, 1)", "name": "Annotations & Alerts",
@@ -471,7 +479,7 @@ def dashboard(spec: dict) -> dict:
         "tags": ["trainmon"], "editable": False, "graphTooltip": 1, "schemaVersion": 39,
         "version": 1, "refresh": "30s", "time": {"from": "now-6h", "to": "now"},
         "timepicker": {}, "timezone": "browser", "links": links,
-        "annotations": {"list": [BUILTIN_ANNOTATION, ALERT_ANNOTATION]},
+        "annotations": {"list": [BUILTIN_ANNOTATION, ALERT_ANNOTATION, FORWARDED_ANNOTATION]},
         "templating": {"list": variables},
         "panels": _layout(spec["panels"]),
     }
