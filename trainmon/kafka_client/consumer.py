@@ -62,6 +62,17 @@ class Consumer:
         })
         if instance_id:
             config["group.instance.id"] = instance_id
+        report = config.get("error_cb")
+
+        def on_error(error) -> None:
+            if error.fatal():
+                self._fatal = error.str()
+            if report is not None:
+                report(error)
+        config["error_cb"] = on_error
+        self._config = config
+        self._topics: list[str] = []
+        self._fatal: str | None = None
         self._consumer = _Consumer(config)
         self._positions: dict[TopicPartition, int] = {}
         self._assignment: set[TopicPartition] = set()
@@ -78,8 +89,30 @@ class Consumer:
     def subscribe(self, topics: list[str], on_assign: Callback | None = None,
                   on_revoke: Callback | None = None) -> None:
         self._on_assign, self._on_revoke = on_assign, on_revoke
-        self._consumer.subscribe(topics, on_assign=self._assigned, on_revoke=self._revoked,
+        self._topics = list(topics)
+        self._consumer.subscribe(self._topics, on_assign=self._assigned, on_revoke=self._revoked,
                                  on_lost=self._revoked)
+
+    def _recover(self) -> None:
+        """A fatal error leaves librdkafka's consumer unusable for good (seen: a static
+        member fenced by its own earlier session after a broker restart): a new client
+        joins again, and the on_assign callback positions the partitions as at start."""
+        from confluent_kafka import Consumer as _Consumer
+
+        log.warning("Kafka consumer: fatal error (%s); joining again with a new client", self._fatal)
+        self._fatal = None
+        if self._assignment and self._on_revoke is not None:
+            self._on_revoke(sorted(self._assignment))  # the owner writes what it holds first
+        try:
+            self._consumer.close()
+        except Exception:  # noqa: BLE001 -- a fenced client may refuse a clean close
+            pass
+        self._assignment.clear()
+        self._positions.clear()
+        self._consumer = _Consumer(self._config)
+        if self._topics:
+            self._consumer.subscribe(self._topics, on_assign=self._assigned, on_revoke=self._revoked,
+                                     on_lost=self._revoked)
 
     def _assigned(self, consumer, partitions) -> None:
         from confluent_kafka import OFFSET_INVALID, TopicPartition as _TP
@@ -126,6 +159,8 @@ class Consumer:
     def poll(self, timeout_s: float, max_messages: int = 10_000) -> list[RawMessage]:
         """Messages as soon as any are there (at most ``max_messages``), else [] after
         ``timeout_s``. Rebalance callbacks run in here."""
+        if self._fatal is not None and self._topics:
+            self._recover()
         consumer = self._consumer
         first = consumer.poll(timeout_s)
         if first is None:
