@@ -21,7 +21,6 @@ in here is logged, never raised into the Trainer.
 
 from __future__ import annotations
 
-import logging
 import math
 import time
 from pathlib import Path
@@ -30,8 +29,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from ..producer import Producer
-
-log = logging.getLogger("trainmon.integrations.hf")
+from .framework import ProducerOwner
 
 
 def _finite_number(v: Any) -> bool:
@@ -51,18 +49,10 @@ def _eval_sets(metrics: dict[str, Any]) -> list[tuple[str, float]]:
             if k.startswith("eval") and k.endswith("loss") and _finite_number(v)]
 
 
-class TrainmonCallback(TrainerCallback):
+class TrainmonCallback(ProducerOwner, TrainerCallback):
     def __init__(self, producer: Producer | None = None, **producer_settings: Any):
-        self._producer = producer
-        self._own = producer is None
-        self._settings = producer_settings
+        self._use_producer(producer, producer_settings)
         self._last: tuple[float, int, Any] | None = None  # (monotonic, step, tokens seen)
-
-    @property
-    def producer(self) -> Producer:
-        if self._producer is None:
-            self._producer = Producer(**self._settings)
-        return self._producer
 
     # -- the Trainer's events -----------------------------------------------------------
 
@@ -125,18 +115,6 @@ class TrainmonCallback(TrainerCallback):
         if fields["epoch"] is not None and not math.isfinite(fields["epoch"]):
             fields["epoch"] = None
         self.producer.log_step(step, **fields)
-
-    def _guard(self, where: str, call) -> None:
-        """Monitoring must never stop training: a failure here is logged, not raised."""
-        try:
-            call()
-        except Exception:
-            log.exception("trainmon: %s failed (training goes on)", where)
-
-    def close(self) -> None:
-        if self._own and self._producer is not None:
-            self._producer.close()
-            self._producer = None
 
 
 __all__ = ["TrainmonCallback"]

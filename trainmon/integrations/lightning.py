@@ -20,7 +20,6 @@ rank logs its own records; a failure in here is logged, never raised into traini
 
 from __future__ import annotations
 
-import logging
 import math
 import re
 import time
@@ -30,8 +29,8 @@ from typing import Any
 from lightning.pytorch.loggers.logger import Logger
 
 from ..producer import Producer
+from .framework import ProducerOwner, plain
 
-log = logging.getLogger("trainmon.integrations.lightning")
 
 TRAIN_LOSS = ("train_loss", "train/loss", "loss", "training_loss")
 VAL_LOSS = ("val_loss", "val/loss", "validation_loss", "valid_loss", "validation/loss")
@@ -50,21 +49,13 @@ def _metric(metrics: dict[str, float], names: tuple[str, ...], suffix: str = "")
     return None
 
 
-class TrainmonLogger(Logger):
+class TrainmonLogger(ProducerOwner, Logger):
     def __init__(self, producer: Producer | None = None, **producer_settings: Any):
         super().__init__()
-        self._producer = producer
-        self._own = producer is None
-        self._settings = producer_settings
+        self._use_producer(producer, producer_settings)
         self._started = False
         self._last: tuple[float, int] | None = None
         self._lr: float | None = None
-
-    @property
-    def producer(self) -> Producer:
-        if self._producer is None:
-            self._producer = Producer(**self._settings)
-        return self._producer
 
     @property
     def name(self) -> str:
@@ -79,7 +70,7 @@ class TrainmonLogger(Logger):
     def log_hyperparams(self, params: dict[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
         def start():
             config = vars(params) if isinstance(params, Namespace) else dict(params or {})
-            self.producer.run_start(config={k: _plain(v) for k, v in config.items()})
+            self.producer.run_start(config={k: plain(v) for k, v in config.items()})
             self._started = True
         self._guard("log_hyperparams", start)
 
@@ -137,24 +128,6 @@ class TrainmonLogger(Logger):
             self.producer.run_start(config={})
             self._started = True
         self.producer.log_step(step, **fields)
-
-    def _guard(self, where: str, call) -> None:
-        """Monitoring must never stop training: a failure here is logged, not raised."""
-        try:
-            call()
-        except Exception:
-            log.exception("trainmon: %s failed (training goes on)", where)
-
-
-def _plain(value: Any) -> Any:
-    """Hyperparameters as JSON can hold them (a module, a tensor: their repr)."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    return repr(value)
 
 
 __all__ = ["TrainmonLogger"]

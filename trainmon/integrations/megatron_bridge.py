@@ -22,15 +22,12 @@ Importing this module needs neither Megatron nor a GPU: the class subclasses Bri
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import math
 import time
 from typing import Any
 
 from ..producer import Producer
+from .framework import ProducerOwner, plain
 
-log = logging.getLogger("trainmon.integrations.megatron_bridge")
 
 try:  # the real base class where Bridge imports (its package needs Transformer Engine)
     from megatron.bridge.training.callbacks import Callback as _Base
@@ -62,36 +59,12 @@ def _get(obj: Any, path: str) -> Any:
     return obj
 
 
-def plain(value: Any, depth: int = 0) -> Any:
-    """A config as JSON can hold it: dataclasses and dicts nested, anything else its repr."""
-    if value is None or isinstance(value, (bool, int, str)):
-        return value
-    if isinstance(value, float):
-        return value if math.isfinite(value) else repr(value)
-    if depth > 6:
-        return repr(value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: plain(getattr(value, f.name, None), depth + 1) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
-        return {str(k): plain(v, depth + 1) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [plain(v, depth + 1) for v in value]
-    return repr(value)
-
-
-class TrainmonCallback(_Base):
+class TrainmonCallback(ProducerOwner, _Base):
     def __init__(self, producer: Producer | None = None, timers: tuple[str, ...] = (),
                  **producer_settings: Any):
-        self._producer = producer
-        self._settings = producer_settings
+        self._use_producer(producer, producer_settings)
         self._timers = timers
         self._last_end: float | None = None
-
-    @property
-    def producer(self) -> Producer:
-        if self._producer is None:
-            self._producer = Producer(**self._settings)
-        return self._producer
 
     # -- Bridge's events ----------------------------------------------------------------
 
@@ -156,12 +129,5 @@ class TrainmonCallback(_Base):
             self.producer.log_moe_stats(step, aux_loss=moe.get("aux_loss"), z_loss=moe.get("z_loss"),
                                         expert_utilization=None, load_imbalance=None)
 
-    def _guard(self, where: str, call) -> None:
-        """Monitoring must never stop training: a failure here is logged, not raised."""
-        try:
-            call()
-        except Exception:
-            log.exception("trainmon: %s failed (training goes on)", where)
 
-
-__all__ = ["TrainmonCallback", "plain"]
+__all__ = ["TrainmonCallback"]
