@@ -70,7 +70,7 @@ def _port_open(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -113,7 +113,7 @@ class Broker:
 
     def pid(self) -> int | None:
         pid = self._read_state().get("pid")
-        return pid if pid and _pid_alive(pid) else None
+        return pid if pid and pid_alive(pid) else None
 
     def running(self) -> bool:
         return self.pid() is not None and _port_open(self.port)
@@ -194,10 +194,10 @@ class Broker:
             return
         os.killpg(pid, signal.SIGKILL if kill else signal.SIGTERM)
         deadline = time.monotonic() + timeout
-        while _pid_alive(pid) and time.monotonic() < deadline:
+        while pid_alive(pid) and time.monotonic() < deadline:
             _reap(pid)
             time.sleep(0.1)
-        if _pid_alive(pid):
+        if pid_alive(pid):
             os.killpg(pid, signal.SIGKILL)
             time.sleep(0.5)
             _reap(pid)

@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .broker import Broker, cache_dir
+from .broker import Broker, cache_dir, pid_alive
 
 RESTART_MIN_S, RESTART_MAX_S, HEALTHY_AFTER_S = 1.0, 30.0, 60.0
 ALWAYS = ("clickhouse", "alerts")
@@ -167,20 +167,13 @@ class Supervisor:
 def read_status(stack: Path) -> dict | None:
     try:
         status = json.loads((stack / "status.json").read_text())
-        os.kill(status["supervisor"], 0)
-    except (OSError, ValueError, KeyError):
+    except (OSError, ValueError):
         return None
-    return status
+    return status if _alive(status.get("supervisor")) else None
 
 
 def _alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    return True
+    return pid is not None and pid_alive(pid)
 
 
 def broker_of(stack: Path, port: int | None = None) -> Broker:

@@ -12,18 +12,11 @@ from __future__ import annotations
 
 import statistics
 
+from .incidents import duration_text
 from .ranks import TickRule
 from .rules import BaselineRule, Rule
 
 GiB = float(1 << 30)
-
-
-def _duration(seconds: float) -> str:
-    if seconds >= 2 * 3600:
-        return f"{seconds / 3600:.1f} h"
-    if seconds >= 120:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds:.0f} s"
 
 
 class EccCorrectedRisingRule(Rule):
@@ -58,7 +51,7 @@ class EccCorrectedRisingRule(Rule):
                         subject=subject, message=(
                             f"corrected ECC errors rising on GPU {r.id} of rank {rank.rank} on "
                             f"{rank.host} (run {run.run_id}, step {r.step}): {per_hour:,.0f} an hour "
-                            f"over the last {_duration(span)} ({count - samples[0][1]:,} new, "
+                            f"over the last {duration_text(span)} ({count - samples[0][1]:,} new, "
                             f"{count:,} since the driver loaded; limit {self.cfg.max_per_hour:g} an "
                             f"hour): memory going bad, plan to drain the GPU"))
 
@@ -113,7 +106,7 @@ class CheckpointOverdueRule(TickRule):
         return self.bad_run(run, [], step=run.max_step, time=run.last_progress, value=float(steps),
                             threshold=None, message=(
                                 f"no checkpoint saved on run {run.run_id} {what}: {steps} steps and "
-                                f"{_duration(seconds)} of training at risk ({'; '.join(limits)})"))
+                                f"{duration_text(seconds)} of training at risk ({'; '.join(limits)})"))
 
 
 def _regular(intervals: list[int]) -> float | None:
@@ -139,8 +132,8 @@ class CheckpointSlowRule(BaselineRule):
         if n < cfg.min_samples or med <= 0:
             return None
         if ms >= cfg.factor * med and ms - med >= cfg.min_extra_s * 1000:
-            return cfg.factor * med, (f"took {_duration(ms / 1000)}, {ms / med:.1f}x the median "
-                                      f"{_duration(med / 1000)} of its last {n} saves (limit "
+            return cfg.factor * med, (f"took {duration_text(ms / 1000)}, {ms / med:.1f}x the median "
+                                      f"{duration_text(med / 1000)} of its last {n} saves (limit "
                                       f"{cfg.factor:g}x)"), False
         return False
 
@@ -172,8 +165,8 @@ class CheckpointDiskFillingRule(Rule):
             return self.good(run, rank, step=r.step, t=t, value=saves_left, subject=subject)
         gaps = [b - a for a, b in zip(st["saves"], st["saves"][1:])]
         cadence = statistics.median(gaps) if gaps else None
-        full = (f", full in about {_duration(saves_left * cadence)} at one save every "
-                f"{_duration(cadence)}" if cadence else "")
+        full = (f", full in about {duration_text(saves_left * cadence)} at one save every "
+                f"{duration_text(cadence)}" if cadence else "")
         return self.bad(run, rank, step=r.step, t=t, value=saves_left, threshold=self.cfg.min_saves_left,
                         subject=subject, message=(
                             f"checkpoint disk filling on {rank.host} (run {run.run_id}, step {r.step}): "
@@ -211,7 +204,7 @@ class NcclWarningBurstRule(Rule):
         return self.bad(run, rank, step=step, t=t, value=float(total), threshold=float(self.cfg.max_warnings),
                         subject=subject, check_stale=False, message=(
                             f"{total} {'/'.join(self.cfg.sources).upper()} warnings on rank {rank.rank} "
-                            f"({rank.host}) of run {run.run_id} within {_duration(self.cfg.window_s)}"
+                            f"({rank.host}) of run {run.run_id} within {duration_text(self.cfg.window_s)}"
                             f"{f' up to step {step}' if step is not None else ''} (limit "
                             f"{self.cfg.max_warnings}); the most frequent: {worst[2]!r}"))
 

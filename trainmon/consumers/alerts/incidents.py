@@ -316,7 +316,7 @@ class IncidentBook:
         fired = inc.alert
         time = max(time, inc.opened_at)
         where = f" at step {step}" if step is not None else ""
-        message = (f"resolved ({reason}){where}, {_duration(time - inc.opened_at)} after it fired"
+        message = (f"resolved ({reason}){where}, {duration_text(time - inc.opened_at)} after it fired"
                    f"{f' at step {fired.step}' if fired.step is not None else ''}: {fired.message}")
         alert = AlertRecord(
             run_id=fired.run_id, rank=fired.rank, world_size=fired.world_size, host=fired.host,
@@ -363,7 +363,8 @@ def _dt(t: float) -> datetime:
     return datetime.fromtimestamp(t, UTC)
 
 
-def _duration(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
+    """A span for a message: "45 s", "12 min", "3.5 h"."""
     seconds = max(0.0, seconds)
     if seconds < 120:
         return f"{seconds:.0f} s"
