@@ -136,9 +136,9 @@ def per_rank(value: str, table_: str, alias: str) -> str:
     return series(value, table_, label="concat('rank ', toString(rank))", where=RANKS, alias=alias)
 
 
-def per_gpu(value: str, alias: str, where: str = "") -> str:
+def per_gpu(value: str, alias: str, where: str = "", table: str = "gpu") -> str:
     condition = RANKS + (f" AND {where}" if where else "")
-    return series(value, "gpu", label=GPU_SERIES, where=condition, alias=alias)
+    return series(value, table, label=GPU_SERIES, where=condition, alias=alias)
 
 
 # -- dashboards ------------------------------------------------------------------------
@@ -333,13 +333,11 @@ HEALTH_DASHBOARD = {
     "description": "The rest of the production checklist: GPU error counters (ECC, row "
                    "remapping, XID), checkpoints and the disk they go to, warnings the logs printed.",
     "panels": [
-        timeseries("Corrected ECC errors", series("max(ecc_volatile_corrected)", "gpu_health",
-                                                  label=GPU_SERIES, where=RANKS, alias="errors"),
+        timeseries("Corrected ECC errors", per_gpu("max(ecc_volatile_corrected)", "errors", table="gpu_health"),
                    description="Volatile count since the driver loaded; a steady climb is memory "
                                "going bad (rule ecc_corrected_rising)."),
         timeseries("Uncorrected ECC errors and XIDs",
-                   series("max(ecc_volatile_uncorrected)", "gpu_health", label=GPU_SERIES,
-                          where=RANKS, alias="uncorrected"),
+                   per_gpu("max(ecc_volatile_uncorrected)", "uncorrected", table="gpu_health"),
                    series("sum(xid_count)", "gpu_health", label=f"concat({GPU_SERIES}, ' xid')",
                           where=RANKS, alias="critical XIDs"),
                    description="Any uncorrected error or critical XID is an alert (ecc_uncorrected, "
