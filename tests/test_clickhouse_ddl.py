@@ -44,13 +44,18 @@ def test_tables_have_a_column_per_field_and_a_field_per_column(bootstrap, tmp_pa
         assert not orphans, f"{kind}: columns without a schema field: {orphans}"
         assert set(BOOKKEEPING) <= set(tables[kind])
     views = set(tables) - set(RECORD_TYPES)
-    assert views == {"step_across_ranks", "latest_step", "run_summary"}
+    rollups = {"step_stats", "rank_latest", "rank_10s"}
+    assert views == {"step_across_ranks", "latest_step", "run_summary"} | rollups \
+        | {f"{name}_mv" for name in rollups}
 
 
 def test_init_adds_the_columns_of_new_fields_to_existing_tables(bootstrap, tmp_path):
     path = tmp_path / "chdb"
     assert run_trainmon(bootstrap, "clickhouse", "init", "--path", str(path)).returncode == 0
-    # A table made by an older trainmon, before these fields existed.
+    # A table made by an older trainmon, before these fields and the rollups existed.
+    for name in ("step_stats", "rank_latest", "rank_10s"):
+        sql(bootstrap, path, f"DROP VIEW trainmon.{name}_mv")
+        sql(bootstrap, path, f"DROP TABLE trainmon.{name}")
     sql(bootstrap, path, "ALTER TABLE trainmon.step DROP COLUMN sol_percent, DROP COLUMN timers")
     sql(bootstrap, path, "ALTER TABLE trainmon.allocator DROP COLUMN stats")
     assert "sol_percent" not in columns_by_table(bootstrap, path)["step"]
@@ -58,6 +63,7 @@ def test_init_adds_the_columns_of_new_fields_to_existing_tables(bootstrap, tmp_p
     tables = columns_by_table(bootstrap, path)
     assert {"sol_percent", "timers"} <= set(tables["step"])
     assert {"stats.name", "stats.device"} <= set(tables["allocator"])
+    assert "step_stats" in tables  # rollups created (and filled from the step rows)
     types = {r["name"]: r["type"] for r in sql(
         bootstrap, path, "SELECT name, type FROM system.columns WHERE database = 'trainmon' "
                          "AND table = 'step' AND name IN ('sol_percent', 'timers')")}

@@ -13,6 +13,7 @@ from typing import Iterable, Sequence
 from ...schemas import RECORD_TYPES, Record
 from .client import DEFAULT_DATABASE
 from .ddl import Column, data_columns
+from .rollups import INSERT_SETTINGS
 
 KAFKA_COLUMNS = ("_topic", "_partition", "_offset")
 
@@ -54,11 +55,11 @@ def insert_batch(client, kind: str, records: Sequence[Record], *, database: str 
     topic, partition, offsets = kafka if kafka else ("", -1, [-1] * n)
     names += KAFKA_COLUMNS
     values += [[topic] * n, [partition] * n, list(offsets)]
-    settings = dict(settings or {})
+    settings = {**INSERT_SETTINGS, **(settings or {})}
     if dedup_token:
         settings["insert_deduplication_token"] = dedup_token
     client.insert(table or f"{database}.{kind}", values, column_names=names, column_oriented=True,
-                  settings=settings or None)
+                  settings=settings)
 
 
 def insert_records(client, records: Iterable[Record], database: str = DEFAULT_DATABASE) -> int:

@@ -241,22 +241,28 @@ def migrate_table(client, kind: str, database: str) -> list[str]:
             continue
         old = have.get(f.field) if len(f.columns) == 1 else None
         if old is not None and old != f.columns[0].type and _nullable_of(old) == f.columns[0].type:
+            from .rollups import drop_views
+
+            drop_views(client, database)  # a column a view reads cannot be retyped; recreated next
             client.command(f"ALTER TABLE {database}.{kind} MODIFY COLUMN {f.definition}")
             changed.append(f.field)
     return changed
 
 
 def create_all(client, database: str = "trainmon") -> None:
-    """Create (or migrate) the database, one table per record kind, and the views.
+    """Create (or migrate) the database, one table per record kind, the rollups
+    (pre-aggregated tables the dashboards read, see :mod:`.rollups`) and the views.
 
     Safe to call at every start: existing tables only gain missing columns (and Nullable
     where a field became optional), and the views are replaced (``CREATE OR REPLACE``), so
     a view that gained a column has it after the next start.
     """
+    from .rollups import create_rollups
     from .views import create_views
 
     client.command(f"CREATE DATABASE IF NOT EXISTS {database}")
     for kind in RECORD_TYPES:
         client.command(create_table_sql(kind, database))
         migrate_table(client, kind, database)
+    create_rollups(client, database)
     create_views(client, database)

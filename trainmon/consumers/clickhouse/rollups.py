@@ -1,0 +1,151 @@
+"""Pre-aggregated tables for big runs, kept up to date by materialized views.
+
+A 1,024-rank run of 10,000 steps has 10 million step rows; a dashboard that scans them
+(with ``FINAL``) for every panel takes seconds. These tables hold what the dashboards
+draw, aggregated when the rows are inserted:
+
+- ``step_stats``: one row per run and step with across-rank statistics (first / last
+  time, min / max / mean step time and a t-digest for its median, slowest and fastest
+  rank, loss, lr, grad and params norm, tokens, throughput, timer min / max).
+- ``rank_latest``: the latest step of every rank (1,024 rows for 1,024 ranks).
+- ``rank_10s``: per rank and 10-second bucket, step time and tokens/s sums and extremes
+  (the step-time heatmap and "which ranks stand out" without touching the step rows).
+
+Exactly once. A Kafka message reaches these tables once, like the step table: the loader
+inserts each partition's batch with a dedup token and
+``deduplicate_blocks_in_dependent_materialized_views = 1`` (INSERT_SETTINGS), and every
+table here keeps a dedup window, so a retried batch is dropped by the views too, not
+only by the step table (tested: without the setting the view counted the retry again).
+The one thing the views cannot see is the *same record in two Kafka messages* (a
+producer re-sending a message whose acknowledgement was lost): the step table collapses
+it (ReplacingMergeTree, read with ``FINAL``), and here extremes, slowest / fastest rank
+and the latest step per rank stay exact (max, min, argMax are indifferent to a repeat)
+while sums, counts, means and the median weigh it twice. The exact answers stay one
+query away in the plain views (``step_across_ranks``, ``run_summary`` read ``FINAL``).
+
+An AggregatingMergeTree merges rows of one key in the background; until then a key can
+have several rows, so readers aggregate again (``min(min_duration_ms)``,
+``sum(duration_ms_sum) / sum(duration_ms_count)``, ``quantileTDigestMerge``, ...).
+"""
+
+from __future__ import annotations
+
+# Every insert into the record tables: a deduplicated block is dropped by the views too.
+INSERT_SETTINGS = {"deduplicate_blocks_in_dependent_materialized_views": 1}
+_TABLE_SETTINGS = "SETTINGS non_replicated_deduplication_window = 10000"
+
+# Columns of step_stats: name -> (type, expression over the step rows of one insert).
+# NaN step times are NULL here (as in step_across_ranks), so one broken timer does not
+# poison its step.
+STEP_STATS_COLUMNS = {
+    "first_time": ("SimpleAggregateFunction(min, DateTime64(6, 'UTC'))", "min(time)"),
+    "last_time": ("SimpleAggregateFunction(max, DateTime64(6, 'UTC'))", "max(time)"),
+    "world_size": ("SimpleAggregateFunction(max, Int64)", "max(world_size)"),
+    "total_steps": ("SimpleAggregateFunction(max, Nullable(Int64))", "max(total_steps)"),
+    "rows": ("SimpleAggregateFunction(sum, UInt64)", "count()"),
+    "min_duration_ms": ("SimpleAggregateFunction(min, Nullable(Float64))", "min(ms)"),
+    "max_duration_ms": ("SimpleAggregateFunction(max, Nullable(Float64))", "max(ms)"),
+    "duration_ms_sum": ("SimpleAggregateFunction(sum, Float64)", "sum(ifNull(ms, 0))"),
+    "duration_ms_count": ("SimpleAggregateFunction(sum, UInt64)", "count(ms)"),
+    "duration_ms_digest": ("AggregateFunction(quantileTDigestIf(0.5), Float64, UInt8)",
+                           "quantileTDigestIfState(0.5)(assumeNotNull(ms), isNotNull(ms))"),
+    "slowest": ("AggregateFunction(argMaxIf, Int64, Float64, UInt8)",
+                "argMaxIfState(rank, assumeNotNull(ms), isNotNull(ms))"),
+    "fastest": ("AggregateFunction(argMinIf, Int64, Float64, UInt8)",
+                "argMinIfState(rank, assumeNotNull(ms), isNotNull(ms))"),
+    "step_tokens": ("SimpleAggregateFunction(sum, Int64)", "sum(ifNull(step_tokens, 0))"),
+    # NaN kept: a NaN loss on any rank shows as a NaN mean, as in step_across_ranks.
+    "loss_sum": ("SimpleAggregateFunction(sum, Float64)", "sum(ifNull(loss, 0))"),
+    "loss_count": ("SimpleAggregateFunction(sum, UInt64)", "count(loss)"),
+    "min_loss": ("SimpleAggregateFunction(min, Nullable(Float64))", "min(loss)"),
+    "max_loss": ("SimpleAggregateFunction(max, Nullable(Float64))", "max(loss)"),
+    "lr": ("SimpleAggregateFunction(max, Nullable(Float64))", "max(lr)"),
+    "norm": ("SimpleAggregateFunction(max, Nullable(Float64))", "max(norm)"),
+    "params_norm": ("SimpleAggregateFunction(max, Nullable(Float64))", "max(params_norm)"),
+    "tflops_sum": ("SimpleAggregateFunction(sum, Float64)", "sum(ifNull(tflops_per_gpu, 0))"),
+    "tflops_count": ("SimpleAggregateFunction(sum, UInt64)", "count(tflops_per_gpu)"),
+    "sol_sum": ("SimpleAggregateFunction(sum, Float64)", "sum(ifNull(sol_percent, 0))"),
+    "sol_count": ("SimpleAggregateFunction(sum, UInt64)", "count(sol_percent)"),
+    "min_tokens_per_second": ("SimpleAggregateFunction(min, Nullable(Float64))", "min(tokens_per_second)"),
+    "max_tokens_per_second": ("SimpleAggregateFunction(max, Nullable(Float64))", "max(tokens_per_second)"),
+    "tokens_per_second_digest": ("AggregateFunction(quantileTDigestIf(0.5), Float64, UInt8)",
+                                 "quantileTDigestIfState(0.5)(assumeNotNull(tokens_per_second), "
+                                 "isNotNull(tokens_per_second))"),
+    "timers_min_ms": ("SimpleAggregateFunction(minMap, Map(String, Float64))", "minMap(timers)"),
+    "timers_max_ms": ("SimpleAggregateFunction(maxMap, Map(String, Float64))", "maxMap(timers)"),
+}
+_STEP_ROWS = "SELECT *, if(isNaN(duration_ms), NULL, duration_ms) AS ms FROM {db}.step"
+_STEP_ROWS_10S = ("SELECT *, if(isNaN(duration_ms), NULL, duration_ms) AS ms, "
+                  "toStartOfInterval(time, INTERVAL 10 second) AS bucket FROM {db}.step")
+
+# The latest row of a rank, kept whole in a tuple (argMax on lone Nullable columns would
+# skip NULLs and mix steps).
+LATEST_ROW = "(time, loss, duration_ms, tokens_per_second, lr, norm, epoch, host)"
+LATEST_ROW_TYPE = ("Tuple(DateTime64(6, 'UTC'), Nullable(Float64), Nullable(Float64), Nullable(Float64), "
+                   "Nullable(Float64), Nullable(Float64), Nullable(Float64), String)")
+
+RANK_10S_COLUMNS = {
+    "duration_ms_sum": ("SimpleAggregateFunction(sum, Float64)", "sum(ifNull(ms, 0))"),
+    "duration_ms_count": ("SimpleAggregateFunction(sum, UInt64)", "count(ms)"),
+    "max_duration_ms": ("SimpleAggregateFunction(max, Nullable(Float64))", "max(ms)"),
+    "tokens_per_second_sum": ("SimpleAggregateFunction(sum, Float64)", "sum(ifNull(tokens_per_second, 0))"),
+    "tokens_per_second_count": ("SimpleAggregateFunction(sum, UInt64)", "count(tokens_per_second)"),
+    "min_tokens_per_second": ("SimpleAggregateFunction(min, Nullable(Float64))", "min(tokens_per_second)"),
+}
+
+
+def _rollup(db: str, name: str, keys: dict[str, tuple[str, str]], columns: dict[str, tuple[str, str]],
+            source: str) -> tuple[str, str, str]:
+    """CREATE TABLE, CREATE MATERIALIZED VIEW, and the backfill INSERT of one rollup."""
+    definitions = [f"`{k}` {t}" for k, (t, _) in {**keys, **columns}.items()]
+    table = (f"CREATE TABLE IF NOT EXISTS {db}.{name} (\n    " + ",\n    ".join(definitions) + "\n)\n"
+             f"ENGINE = AggregatingMergeTree\nORDER BY ({', '.join(keys)})\n{_TABLE_SETTINGS}")
+    select = ("SELECT " + ", ".join(f"{e} AS `{k}`" for k, (_, e) in {**keys, **columns}.items())
+              + f"\nFROM ({source.format(db=db)})\nGROUP BY {', '.join(keys)}")
+    view = f"CREATE MATERIALIZED VIEW IF NOT EXISTS {db}.{name}_mv TO {db}.{name} AS\n{select}"
+    backfill = f"INSERT INTO {db}.{name}\n{select}"
+    return table, view, backfill
+
+
+def rollups(db: str) -> dict[str, tuple[str, str, str]]:
+    return {
+        "step_stats": _rollup(db, "step_stats",
+                              {"run_id": ("LowCardinality(String)", "run_id"), "step": ("Int64", "step")},
+                              STEP_STATS_COLUMNS, _STEP_ROWS),
+        "rank_latest": _rollup(db, "rank_latest",
+                               {"run_id": ("LowCardinality(String)", "run_id"), "rank": ("Int64", "rank")},
+                               {"step": ("SimpleAggregateFunction(max, Int64)", "max(step_number)"),
+                                "latest": (f"AggregateFunction(argMax, {LATEST_ROW_TYPE}, Int64)",
+                                           f"argMaxState({LATEST_ROW}, step_number)")},
+                               "SELECT *, step AS step_number FROM {db}.step"),
+        "rank_10s": _rollup(db, "rank_10s",
+                            {"run_id": ("LowCardinality(String)", "run_id"),
+                             "time": ("DateTime('UTC')", "bucket"),
+                             "rank": ("Int64", "rank")},
+                            RANK_10S_COLUMNS, _STEP_ROWS_10S),
+    }
+
+
+def create_rollups(client, database: str) -> list[str]:
+    """Create the rollup tables and their views; a table created now is filled from the
+    rows already in the step table (once: the view feeds it from then on). Returns the
+    names of the tables created. Run before the loader starts inserting (as the services
+    do), or rows inserted between the view's creation and the backfill count twice."""
+    created = []
+    for name, (table, view, backfill) in rollups(database).items():
+        existed = bool(client.query("SELECT count() FROM system.tables WHERE database = {db:String} "
+                                    "AND name = {t:String}",
+                                    parameters={"db": database, "t": name}).result_rows[0][0])
+        client.command(table)
+        client.command(view)
+        if not existed:
+            client.command(backfill)
+            created.append(name)
+    return created
+
+
+def drop_views(client, database: str) -> None:
+    """Detach the rollups from the step table (to retype a column they read);
+    :func:`create_rollups` attaches them again."""
+    for name in rollups(database):
+        client.command(f"DROP VIEW IF EXISTS {database}.{name}_mv")
