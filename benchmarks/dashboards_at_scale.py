@@ -118,6 +118,17 @@ def load(client, ranks: int, steps: int, start: datetime, small_runs: int = 50) 
     return counts
 
 
+def loaded_start(client) -> datetime | None:
+    """When the big run of an earlier --data-dir load started (None: nothing loaded)."""
+    exists = client.query("SELECT count() FROM system.tables WHERE database = 'trainmon' "
+                          "AND name = 'run'").result_rows[0][0]
+    if not exists:
+        return None
+    rows = client.query(f"SELECT min(time) FROM trainmon.run WHERE run_id = '{BIG_RUN}'").result_rows
+    first = rows[0][0] if rows else None
+    return None if first is None or first.year < 2000 else first.replace(tzinfo=timezone.utc)
+
+
 def points_per_series(result) -> int:
     """The most rows one series has in a time-series result (rows per distinct label)."""
     names = list(result.column_names)
@@ -141,11 +152,16 @@ def main(argv: list[str] | None = None) -> int:
         args.ranks, args.steps, args.repeat = 64, 500, 3
     with tempfile.TemporaryDirectory(prefix="trainmon-dash-") as tmp:
         client = connect(Target(path=args.data_dir or str(Path(tmp) / "chdb")))
-        start = (datetime.now(timezone.utc) - timedelta(seconds=args.steps + 60)).replace(microsecond=0)
-        began = time.perf_counter()
-        counts = load(client, args.ranks, args.steps, start)
-        print(f"loaded in {time.perf_counter() - began:.0f} s: "
-              + ", ".join(f"{n:,} {t} rows" for t, n in counts.items()), flush=True)
+        start = loaded_start(client)
+        if start is None:
+            start = (datetime.now(timezone.utc) - timedelta(seconds=args.steps + 60)).replace(microsecond=0)
+            began = time.perf_counter()
+            counts = load(client, args.ranks, args.steps, start)
+            print(f"loaded in {time.perf_counter() - began:.0f} s: "
+                  + ", ".join(f"{n:,} {t} rows" for t, n in counts.items()), flush=True)
+        else:
+            create_all(client)  # the tables and views of this version over the data kept
+            print(f"reusing the run loaded in {args.data_dir} (started {start:%Y-%m-%d %H:%M})", flush=True)
         client.database = "trainmon"  # as the data source's defaultDatabase does
         end = start + timedelta(seconds=args.steps + 60)
         ranges = {"whole run": TimeRange(start - timedelta(minutes=1), end,
@@ -164,10 +180,15 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for name, sql in queries.items():
             timings, result = [], None
-            for _ in range(args.repeat):
-                t = time.perf_counter()
-                result = client.query(sql)
-                timings.append((time.perf_counter() - t) * 1000)
+            try:
+                for _ in range(args.repeat):
+                    t = time.perf_counter()
+                    result = client.query(sql)
+                    timings.append((time.perf_counter() - t) * 1000)
+            except Exception as exc:  # noqa: BLE001 - a broken panel is reported, not fatal
+                print(f"FAILED {name}: {str(exc).splitlines()[0][:300]}", flush=True)
+                rows.append((name, math.inf, math.inf, 0, 0))
+                continue
             rows.append((name, statistics.median(timings), max(timings), len(result.result_rows),
                          points_per_series(result)))
         width = max(len(r[0]) for r in rows)

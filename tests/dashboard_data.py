@@ -1,6 +1,7 @@
 """A small, representative run for the dashboard tests: two ranks, 30 steps, evals, MoE,
 GPU, GPU-health, allocator and GPU-model records, checkpoints and the disk they go to,
-warnings from the logs, and alerts (one resolved, two still open)."""
+warnings from the logs, and alerts (one resolved, two still open). And a bigger run
+(BIG_RANKS ranks, more than the dashboards draw one line each for) with rank 7 slow."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from trainmon.schemas import (AlertRecord, AllocatorRecord, CheckpointRecord, Da
                               LogEventRecord, MoeRecord, Record, RunRecord, StepRecord)
 
 RUN_ID = "dash-run"
+BIG_RUN_ID = "dash-big"
+BIG_RANKS = 24
+SLOW_RANK = 7
 T0 = datetime(2026, 3, 1, 12, 0, 0, tzinfo=timezone.utc)
 STEPS = 30
 RANKS = (0, 1)
@@ -98,4 +102,36 @@ def records() -> list[Record]:
                     value=math.nan, message="loss is NaN"),
     ]
     out.append(RunRecord(**env(0, STEPS + 1), event="end", status="failed"))
+    return out + big_run()
+
+
+def big_run() -> list[Record]:
+    out: list[Record] = []
+    ids = iter(range(10**9))
+
+    def env(rank: int, seconds: float) -> dict:
+        return dict(run_id=BIG_RUN_ID, rank=rank, world_size=BIG_RANKS, host=f"node-{rank // 8}",
+                    time=T0 + timedelta(seconds=seconds), event_id=f"big-{next(ids)}")
+
+    out.append(RunRecord(**env(0, 0), event="start", name="big", project="tests"))
+    for step in range(6):
+        for rank in range(BIG_RANKS):
+            ms = 150.0 if rank == SLOW_RANK else 100.0 + rank / 10
+            out.append(StepRecord(**env(rank, step + 1.0), step=step, step_tokens=4096, duration_ms=ms,
+                                  tokens_per_second=4096 * 1000 / ms, loss=3.0, norm=1.0, lr=1e-4,
+                                  total_steps=10))
+            out.append(MoeRecord(**env(rank, step + 1.0), step=step, aux_loss=1.0, z_loss=0.1,
+                                 expert_utilization=1.0, load_imbalance=1.1 + rank / 100,
+                                 layer_aux_loss=[1.0], layer_z_loss=[0.1], layer_utilization=[1.0],
+                                 layer_imbalance=[1.1]))
+            out.append(GpuRecord(**env(rank, step + 1.0), step=step, id=rank % 8, clock=1700, max_clock=1980,
+                                 power=600_000 + rank, power_limit=700_000, temperature=60 + rank % 5,
+                                 temp_slowdown=87, gpu_util=95, mem_util=40, dram_free=2**30,
+                                 pcie_rx=10**6, pcie_tx=10**6, fan=0, throttle=""))
+            out.append(GpuHealthRecord(**env(rank, step + 1.0), step=step, id=rank % 8,
+                                       ecc_volatile_corrected=0, ecc_volatile_uncorrected=0))
+            out.append(AllocatorRecord(**env(rank, step + 1.0), step=step,
+                                       stats=[dict(name="weights", device=2**30, managed=0, pinned=0, pageable=0)],
+                                       allocated=2**30, peak_allocated=2**30, active=2**30, inactive=0,
+                                       reserved=2**31, alloc_retries=0))
     return out

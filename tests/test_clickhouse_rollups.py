@@ -38,7 +38,7 @@ out = {
     "stats": q("SELECT step, sum(rows), min(min_duration_ms), max(max_duration_ms), "
                "sum(duration_ms_sum) / nullIf(sum(duration_ms_count), 0), "
                "if(sum(duration_ms_count) = 0, NULL, argMaxIfMerge(slowest)), "
-               "round(quantileTDigestIfMerge(0.5)(duration_ms_digest), 3), sum(step_tokens), "
+               "quantileBFloat16IfMerge(0.5)(duration_ms_quantiles), sum(step_tokens), "
                "sum(loss_sum) / nullIf(sum(loss_count), 0), maxMap(timers_max_ms) "
                "FROM trainmon.step_stats GROUP BY step ORDER BY step"),
     "exact": q("SELECT step, ranks_reporting, min_duration_ms, max_duration_ms, mean_duration_ms, "

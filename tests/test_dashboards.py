@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.dashboard_data import RUN_ID, T0
+from tests.dashboard_data import BIG_RANKS, BIG_RUN_ID, RUN_ID, SLOW_RANK, T0
 from trainmon.grafana_sql import ALL, TimeRange, dashboard_queries, expand, load_dashboards
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,15 +28,19 @@ TIME = TimeRange(T0 - timedelta(minutes=10), T0 + timedelta(hours=1), interval_s
 RANK_CHOICES = {"all ranks": ALL, "ranks 0,1": [0, 1]}
 
 
+RUNS = {"": RUN_ID, "big: ": BIG_RUN_ID}  # name prefix -> run
+
+
 def all_queries() -> dict[str, str]:
-    """name -> SQL with macros expanded, for each rank choice."""
+    """name -> SQL with macros expanded, for each run and rank choice."""
     queries = {}
     for dashboard in DASHBOARDS:
         for q in dashboard_queries(dashboard):
-            for choice, ranks in RANK_CHOICES.items():
-                name = f"{q.dashboard} / {q.panel} / {q.ref_id} / {choice}"
-                assert name not in queries, f"two queries named {name}"
-                queries[name] = expand(q.sql, TIME, {"run_id": RUN_ID, "rank": ranks})
+            for prefix, run_id in RUNS.items():
+                for choice, ranks in RANK_CHOICES.items():
+                    name = f"{prefix}{q.dashboard} / {q.panel} / {q.ref_id} / {choice}"
+                    assert name not in queries, f"two queries named {name}"
+                    queries[name] = expand(q.sql, TIME, {"run_id": run_id, "rank": ranks})
     for rule in ALERT_RULES:
         for query in rule["data"]:
             if query["datasourceUid"] == PROVISIONED_SOURCE["uid"]:
@@ -57,10 +61,45 @@ def results(tmp_path_factory) -> dict[str, dict]:
 
 
 def test_every_query_runs_and_returns_rows(results):
-    failures = {name: r.get("error", "no rows") for name, r in results.items()
-                if "error" in r or not r["rows"]}
-    assert failures == {}
+    """Every query runs; each returns rows for some run and rank choice (an across-rank
+    panel's queries take turns: per-rank lines for the small run, the distribution for
+    the big one)."""
+    errors = {name: r["error"] for name, r in results.items() if "error" in r}
+    assert errors == {}
     assert len(results) == len(all_queries())
+    answered: dict[str, bool] = {}
+    for name, r in results.items():
+        query = name.removeprefix("big: ").rsplit(" / ", 1)[0]
+        answered[query] = answered.get(query, False) or bool(r["rows"])
+    assert [query for query, has_rows in answered.items() if not has_rows] == []
+
+
+ACROSS_RANK_PANELS = sorted({f"{d['title']} / {p['title']}" for d in DASHBOARDS for p in d["panels"]
+                             for t in p["targets"] if "['min', 'median', 'max']" in t["rawSql"]})
+
+
+def test_big_runs_show_the_distribution_and_small_runs_every_rank(results):
+    assert len(ACROSS_RANK_PANELS) >= 20
+    for panel in ACROSS_RANK_PANELS:
+        def rows(prefix, ref, choice):
+            return results[f"{prefix}{panel} / {ref} / {choice}"]["rows"]
+
+        def series(prefix, ref, choice):
+            return {row[1] for row in rows(prefix, ref, choice)}
+
+        # Two ranks: a line each, no bands. Picked ranks of the big run: their lines only.
+        assert rows("", "A", "all ranks") and not rows("", "B", "all ranks") and not rows("", "C", "all ranks"), panel
+        assert rows("big: ", "A", "ranks 0,1") and not rows("big: ", "B", "ranks 0,1"), panel
+        assert len(series("big: ", "A", "ranks 0,1")) <= 2, panel
+        # All 24 ranks: min / median / max and the few that stand out, not 24 lines.
+        assert not rows("big: ", "A", "all ranks"), panel
+        assert series("big: ", "B", "all ranks") == {"'min'", "'median'", "'max'"}, panel
+        assert 1 <= len(series("big: ", "C", "all ranks")) <= 3, panel
+    slowest = {row[1] for row in results[
+        "big: trainmon / Ranks / Step time across ranks / C / all ranks"]["rows"]}
+    assert f"'rank {SLOW_RANK}'" in slowest
+    heat = results["big: trainmon / Ranks / Step time heatmap / B / all ranks"]["rows"]
+    assert len({row[1] for row in heat}) == BIG_RANKS  # rows of one rank each: at most 64 rows
 
 
 def test_queries_show_the_injected_problems(results):

@@ -23,12 +23,16 @@ GPU_SERIES = "concat('rank ', toString(rank), ' gpu ', toString(id))"
 
 RUN_VARIABLE = {
     "name": "run_id", "label": "Run", "type": "query", "datasource": DATASOURCE,
-    "query": "SELECT run_id FROM run_summary ORDER BY last_seen_at DESC",
+    # Newest first, from the run table (plus runs that logged steps but no run record).
+    "query": ("SELECT run_id FROM (\n"
+              "    SELECT run_id, max(time) AS seen FROM run GROUP BY run_id\n"
+              "    UNION ALL SELECT run_id, max(last_time) FROM step_stats GROUP BY run_id\n"
+              ")\nGROUP BY run_id\nORDER BY max(seen) DESC"),
     "refresh": 2, "multi": False, "includeAll": False, "sort": 0, "current": {}, "options": [],
 }
 RANK_VARIABLE = {
     "name": "rank", "label": "Rank", "type": "query", "datasource": DATASOURCE,
-    "query": f"SELECT DISTINCT rank FROM step WHERE {RUN} ORDER BY rank",
+    "query": f"SELECT rank FROM rank_latest WHERE {RUN} GROUP BY rank ORDER BY rank",
     "refresh": 2, "multi": True, "includeAll": True, "sort": 3,
     "current": {"selected": True, "text": ["All"], "value": ["$__all"]}, "options": [],
 }
@@ -101,10 +105,10 @@ def stat(title: str, query: str, unit: str = "short", width: int = 4, height: in
                         "colorMode": "value", "graphMode": "none", "textMode": "auto"}}
 
 
-def heatmap(title: str, query: str, unit: str, width: int = 24, height: int = 9,
+def heatmap(title: str, *queries: str, unit: str, width: int = 24, height: int = 9,
             description: str = "") -> dict:
     return {"type": "heatmap", "title": title, "description": description, "w": width, "h": height,
-            "format": 0, "queryType": "timeSeries", "queries": (query,),
+            "format": 0, "queryType": "timeSeries", "queries": queries,
             "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
             "options": {"calculate": False, "cellGap": 1, "yAxis": {"axisPlacement": "left"},
                         "color": {"mode": "scheme", "scheme": "Oranges", "steps": 64},
@@ -132,13 +136,98 @@ def series(value: str, table_: str, *, label: str | None = None, time: str = "ti
             f"ORDER BY time")
 
 
-def per_rank(value: str, table_: str, alias: str) -> str:
-    return series(value, table_, label="concat('rank ', toString(rank))", where=RANKS, alias=alias)
+# -- across ranks: every rank's line in small runs, the distribution in big ones -------
+#
+# A 1,024-rank run cannot be drawn as 1,024 lines (and a million points). An across-rank
+# panel therefore has three queries, of which the run's size switches on one or two:
+#   A. one line per rank (per GPU): runs of at most PER_RANK_LINES_UP_TO ranks, or the
+#      ranks picked in the rank variable;
+#   B. min / median / max over the ranks per interval: bigger runs with all ranks;
+#   C. the STANDOUTS ranks that stand out most over the time range, as lines: bigger runs.
+# The switch is a constant after ClickHouse evaluates the scalar subquery, so a query
+# switched off reads no rows.
+PER_RANK_LINES_UP_TO = 16
+STANDOUTS = 3
+RANK_COUNT = f"(SELECT uniqExact(rank) FROM rank_latest WHERE {RUN})"
+ALL_RANKS = "$__conditionalAll(0, $rank)"  # "1=1" with All selected, "0" with ranks picked
+LINES = f"(NOT ({ALL_RANKS}) OR {RANK_COUNT} <= {PER_RANK_LINES_UP_TO})"
+DISTRIBUTION = f"({ALL_RANKS}) AND {RANK_COUNT} > {PER_RANK_LINES_UP_TO}"
+RANK_SERIES = "concat('rank ', toString(rank))"
 
 
-def per_gpu(value: str, alias: str, where: str = "", table: str = "gpu") -> str:
-    condition = RANKS + (f" AND {where}" if where else "")
-    return series(value, table, label=GPU_SERIES, where=condition, alias=alias)
+def _and(*conditions: str) -> str:
+    return " AND ".join(c for c in conditions if c)
+
+
+def bands(low: str, mid: str, high: str, source: str, alias: str, time: str = "time",
+          where: str = "") -> str:
+    """Min / median / max per interval as three series (query B)."""
+    return (f"SELECT time, series, value AS \"{alias}\"\nFROM (\n"
+            f"    SELECT $__timeInterval({time}) AS time, {low} AS low, {mid} AS mid, {high} AS high\n"
+            f"    FROM {source}\n"
+            f"    WHERE {_and(RUN, f'$__timeFilter({time})', DISTRIBUTION, where)}\n"
+            f"    GROUP BY time\n)\n"
+            f"ARRAY JOIN ['min', 'median', 'max'] AS series, [low, mid, high] AS value\n"
+            f"ORDER BY time")
+
+
+def across(row: str, agg: str, table: str, alias: str, worst: str, *, key: str = "rank",
+           label: str = RANK_SERIES, where: str = "") -> tuple[str, str, str]:
+    """Queries A, B, C of an across-rank panel over a record table: ``agg(row)`` per rank
+    (or per ``key``, e.g. "rank, id" for GPUs) and interval; the distribution of ``row``
+    over the samples of each interval; the STANDOUTS keys with the highest (``worst`` =
+    "max") or lowest ("min") ``agg(row)`` over the range."""
+    lines = series(f"{agg}({row})", table, label=label, where=_and(RANKS, LINES, where), alias=alias)
+    distribution = bands("min(v)", "quantileBFloat16(0.5)(v)", "max(v)",
+                         f"(SELECT run_id, time, {row} AS v FROM {table} WHERE {_and(RUN, where)})", alias)
+    order = "DESC" if worst == "max" else "ASC"
+    picked = (f"({key}) IN (SELECT {key} FROM {table} WHERE {_and(RUN, '$__timeFilter(time)', where)} "
+              f"GROUP BY {key} ORDER BY {agg}({row}) {order} LIMIT {STANDOUTS})")
+    standouts = series(f"{agg}({row})", table, label=label, where=_and(DISTRIBUTION, picked, where),
+                       alias=alias)
+    return lines, distribution, standouts
+
+
+def per_rank(row: str, agg: str, table_: str, alias: str, worst: str = "max") -> tuple[str, str, str]:
+    return across(row, agg, table_, alias, worst)
+
+
+def per_gpu(row: str, agg: str, alias: str, worst: str = "max", where: str = "",
+            table: str = "gpu") -> tuple[str, str, str]:
+    return across(row, agg, table, alias, worst, key="rank, id", label=GPU_SERIES, where=where)
+
+
+def by_segment(values: str) -> str:
+    """Allocator memory per segment (weights, gradients, ...), the max over ranks per
+    interval. Rows are grouped by their list of segment names first, so the element-wise
+    max lines up names and values even if producers list segments in different orders."""
+    return ("SELECT time, series, max(v) AS \"bytes\"\n"
+            "FROM (\n"
+            f"    SELECT $__timeInterval(time) AS time, stats.name AS names, maxForEach({values}) AS m\n"
+            "    FROM allocator\n"
+            f"    WHERE {RUN} AND $__timeFilter(time) AND {RANKS}\n"
+            "    GROUP BY time, names\n)\n"
+            "ARRAY JOIN names AS series, m AS v\n"
+            "GROUP BY time, series\nORDER BY time")
+
+
+def mean(column: str) -> str:
+    """The mean of a rollup's sum / count pair (NULL where nothing was logged)."""
+    return f"sum({column}_sum) / nullIf(sum({column}_count), 0)"
+
+
+def step_across_ranks(column: str, alias: str, low: str, median: str, high: str,
+                      rank_mean: str, worst: str) -> tuple[str, str, str]:
+    """Queries A, B, C of a step-record panel, B and C from the rollups: the distribution
+    from step_stats, the standouts (by their mean over the range) from rank_10s."""
+    lines = per_rank(column, "avg", "step", alias)[0]
+    distribution = bands(low, median, high, "step_stats", alias, time="last_time")
+    order = "DESC" if worst == "max" else "ASC"
+    picked = (f"rank IN (SELECT rank FROM rank_10s WHERE {RUN} AND $__timeFilter(time) "
+              f"GROUP BY rank ORDER BY {rank_mean} {order} LIMIT {STANDOUTS})")
+    standouts = series(rank_mean, "rank_10s", label=RANK_SERIES, where=_and(DISTRIBUTION, picked),
+                       alias=alias)
+    return lines, distribution, standouts
 
 
 # -- dashboards ------------------------------------------------------------------------
@@ -150,73 +239,108 @@ ETA_SQL = f"""SELECT
     if(total_steps IS NULL, NULL, greatest(total_steps - last_step, 0) * seconds_per_step) AS eta
 FROM (
     SELECT max(step) AS last_step,
-           (SELECT max(total_steps) FROM step WHERE {RUN}) AS total_steps,
+           (SELECT max(total_steps) FROM step_stats WHERE {RUN}) AS total_steps,
            (max(toUnixTimestamp64Milli(last_time)) - min(toUnixTimestamp64Milli(last_time)))
                / 1000 / greatest(max(step) - min(step), 1) AS seconds_per_step
-    FROM (SELECT step, last_time FROM step_across_ranks WHERE {RUN} ORDER BY step DESC LIMIT 50)
+    FROM (SELECT step, max(last_time) AS last_time FROM step_stats WHERE {RUN}
+          GROUP BY step ORDER BY step DESC LIMIT 50)
 )"""
+# Tokens of all ranks per step over the slowest rank's step time, averaged per interval.
+TOKENS_PER_SECOND = ("SELECT $__timeInterval(step_time) AS time, avg(step_tokens * 1000 / nullIf(slowest_ms, 0)) "
+                     "AS \"tokens/s\"\n"
+                     "FROM (SELECT step, max(last_time) AS step_time, sum(step_tokens) AS step_tokens, "
+                     "max(max_duration_ms) AS slowest_ms\n"
+                     f"      FROM step_stats WHERE {RUN} AND $__timeFilter(last_time) GROUP BY step)\n"
+                     "GROUP BY time\nORDER BY time")
 
 RUN_OVERVIEW = {
     "uid": "trainmon-run-overview", "title": "trainmon / Run overview", "ranks": False,
     "description": "Loss, eval loss, learning rate, grad norm, throughput and ETA of one run.",
     "panels": [
-        stat("Status", f"SELECT status FROM run_summary WHERE {RUN}", width=4),
-        stat("Last step", f"SELECT last_step FROM run_summary WHERE {RUN}", width=4),
-        stat("Tokens", f"SELECT tokens FROM run_summary WHERE {RUN}", width=4),
-        stat("Best eval loss", f"SELECT best_eval_loss FROM run_summary WHERE {RUN}", width=4),
-        stat("Open alerts", f"SELECT alerts_open FROM run_summary WHERE {RUN}", width=4),
+        stat("Status", f"SELECT status FROM run_overview WHERE {RUN}", width=4),
+        stat("Last step", f"SELECT max(step) FROM step_stats WHERE {RUN}", width=4),
+        stat("Tokens", f"SELECT sum(step_tokens) FROM step_stats WHERE {RUN}", width=4),
+        stat("Best eval loss", f"SELECT minIf(loss, isFinite(loss)) FROM eval FINAL WHERE {RUN}", width=4),
+        stat("Open alerts", f"SELECT alerts_open FROM run_overview WHERE {RUN}", width=4),
         stat("ETA", f"SELECT eta FROM ({ETA_SQL})", unit="s", width=4,
              description="Steps left (total_steps - last step) times the mean wall time "
                          "per step over the last 50 steps."),
         timeseries("Loss",
-                   series("avg(loss)", "step", alias="train loss"),
-                   series("avg(loss)", "eval", alias="eval loss")),
-        timeseries("Learning rate", series("avg(lr)", "step", alias="lr")),
-        timeseries("Grad norm", series("max(norm)", "step", alias="grad norm"),
-                   series("max(params_norm)", "step", alias="params norm"),
+                   series(mean("loss"), "step_stats", time="last_time", alias="train loss"),
+                   series("avg(loss)", "eval", alias="eval loss"),
+                   description="Train loss: the mean over ranks."),
+        timeseries("Learning rate", series("max(lr)", "step_stats", time="last_time", alias="lr")),
+        timeseries("Grad norm", series("max(norm)", "step_stats", time="last_time", alias="grad norm"),
+                   series("max(params_norm)", "step_stats", time="last_time", alias="params norm"),
                    description="Global grad L2 norm (after clipping); the max over ranks."),
-        timeseries("Tokens / s",
-                   series("avg(step_tokens * 1000 / nullIf(max_duration_ms, 0))",
-                          "step_across_ranks", time="last_time", alias="tokens/s"),
+        timeseries("Tokens / s", TOKENS_PER_SECOND,
                    description="Tokens of all ranks per step over the slowest rank's step time."),
         timeseries("TFLOPS per GPU and SOL %",
-                   series("avg(tflops_per_gpu)", "step", alias="TFLOPS per GPU"),
-                   series("avg(sol_percent)", "step", alias="SOL %")),
-        table("Run", f"SELECT * FROM run_summary WHERE {RUN}",
+                   series(mean("tflops"), "step_stats", time="last_time", alias="TFLOPS per GPU"),
+                   series(mean("sol"), "step_stats", time="last_time", alias="SOL %")),
+        table("Run", f"SELECT * FROM run_overview WHERE {RUN}",
               units={"wall_seconds": "s", "tokens": "short"}),
     ],
 }
 
+SLOWEST = "if(sum(duration_ms_count) = 0, NULL, argMaxIfMerge(slowest))"
+# Ranks per heatmap row in big runs: at most 64 rows.
+RANK_GROUP = f"greatest(intDiv({RANK_COUNT} + 63, 64), 1)"
 RANKS_DASHBOARD = {
     "uid": "trainmon-ranks", "title": "trainmon / Ranks", "ranks": True,
     "description": "Step time per rank, stragglers and the latest step of every rank.",
     "panels": [
         heatmap("Step time heatmap",
-                per_rank("avg(duration_ms)", "step", "step ms"), unit="ms",
-                description="Rows are ranks, color is step time: a straggler is a hot row."),
-        timeseries("Step time per rank", per_rank("avg(duration_ms)", "step", "step ms"), unit="ms"),
-        timeseries("Tokens / s per rank", per_rank("avg(tokens_per_second)", "step", "tokens/s")),
+                per_rank("duration_ms", "avg", "step", "step ms")[0],
+                "SELECT time, concat('ranks ', leftPad(toString(first_rank), 5, '0')) AS series, "
+                "slowest AS \"step ms\"\n"
+                "FROM (\n"
+                f"    SELECT $__timeInterval(time) AS time, intDiv(rank, {RANK_GROUP}) * {RANK_GROUP} AS first_rank,\n"
+                "           max(duration_ms_sum / nullIf(duration_ms_count, 0)) AS slowest\n"
+                "    FROM rank_10s\n"
+                f"    WHERE {RUN} AND $__timeFilter(time) AND {DISTRIBUTION}\n"
+                "    GROUP BY time, first_rank\n)\nORDER BY time", unit="ms",
+                description="Rows are ranks, color is step time: a straggler is a hot row. In runs "
+                            f"of more than {PER_RANK_LINES_UP_TO} ranks a row is a group of ranks "
+                            "(at most 64 rows) colored by its slowest rank."),
+        timeseries("Step time across ranks",
+                   *step_across_ranks("duration_ms", "step ms", "min(min_duration_ms)",
+                                      "quantileBFloat16IfMerge(0.5)(duration_ms_quantiles)",
+                                      "max(max_duration_ms)", mean("duration_ms"), worst="max"),
+                   unit="ms", description=f"One line per rank up to {PER_RANK_LINES_UP_TO} ranks; "
+                                          f"above, min / median / max over the ranks and the "
+                                          f"{STANDOUTS} slowest ranks."),
+        timeseries("Tokens / s across ranks",
+                   *step_across_ranks("tokens_per_second", "tokens/s", "min(min_tokens_per_second)",
+                                      "quantileBFloat16IfMerge(0.5)(tokens_per_second_quantiles)",
+                                      "max(max_tokens_per_second)", mean("tokens_per_second"), worst="min"),
+                   description=f"One line per rank up to {PER_RANK_LINES_UP_TO} ranks; above, min / "
+                               f"median / max over the ranks and the {STANDOUTS} slowest ranks."),
         table("Stragglers (slowest steps)",
-              "SELECT step, slowest_rank, max_duration_ms, mean_duration_ms, straggler_ratio, "
-              "ranks_reporting\n"
-              "FROM step_across_ranks\n"
+              f"SELECT step, {SLOWEST} AS slowest_rank, max(max_duration_ms) AS max_duration_ms,\n"
+              f"       {mean('duration_ms')} AS mean_duration_ms,\n"
+              "       max_duration_ms / nullIf(mean_duration_ms, 0) AS straggler_ratio, sum(rows) AS ranks_reporting\n"
+              "FROM step_stats\n"
               f"WHERE {RUN} AND $__timeFilter(last_time)\n"
+              "GROUP BY step\n"
               "ORDER BY straggler_ratio DESC, step DESC\nLIMIT 20",
               units={"max_duration_ms": "ms", "mean_duration_ms": "ms"},
               description="straggler_ratio = slowest rank's step time / mean over ranks."),
-        bar_chart("Times each rank was the slowest",
+        bar_chart("Ranks most often the slowest",
                   "SELECT toString(slowest_rank) AS rank, count() AS steps_slowest\n"
-                  "FROM step_across_ranks\n"
-                  f"WHERE {RUN} AND $__timeFilter(last_time)\n"
-                  "GROUP BY rank\nORDER BY steps_slowest DESC"),
+                  f"FROM (SELECT step, {SLOWEST} AS slowest_rank FROM step_stats\n"
+                  f"      WHERE {RUN} AND $__timeFilter(last_time) GROUP BY step)\n"
+                  "WHERE slowest_rank IS NOT NULL\n"
+                  "GROUP BY rank\nORDER BY steps_slowest DESC\nLIMIT 20"),
         table("Latest step per rank",
               "SELECT rank, host, step, max(step) OVER () - step AS steps_behind, loss, "
               "duration_ms, tokens_per_second, seconds_since\n"
               "FROM latest_step\n"
               f"WHERE {RUN} AND {RANKS}\n"
-              "ORDER BY rank",
+              "ORDER BY steps_behind DESC, seconds_since DESC, rank",
               units={"duration_ms": "ms", "seconds_since": "s"},
-              description="A rank that stopped reporting falls behind and its seconds_since grows."),
+              description="Ranks most behind first: a rank that stopped reporting falls behind "
+                          "and its seconds_since grows."),
     ],
 }
 
@@ -225,19 +349,19 @@ GPU_DASHBOARD = {
     "description": "NVML telemetry of every GPU: power, temperature, utilization, memory, "
                    "clocks and throttling.",
     "panels": [
-        timeseries("Power", per_gpu("avg(power) / 1000", "W"), unit="watt"),
-        timeseries("Power / limit", per_gpu("avg(power / nullIf(power_limit, 0)) * 100", "% of limit"),
+        timeseries("Power", *per_gpu("power / 1000", "avg", "W", worst="min"), unit="watt"),
+        timeseries("Power / limit", *per_gpu("power / nullIf(power_limit, 0) * 100", "avg", "% of limit", worst="min"),
                    unit="percent"),
-        timeseries("Temperature", per_gpu("max(temperature)", "°C"), unit="celsius"),
-        timeseries("Degrees below slowdown", per_gpu("min(temp_slowdown - temperature)", "°C"),
+        timeseries("Temperature", *per_gpu("temperature", "max", "°C"), unit="celsius"),
+        timeseries("Degrees below slowdown", *per_gpu("temp_slowdown - temperature", "min", "°C", worst="min"),
                    unit="celsius", description="Headroom to the slowdown threshold."),
-        timeseries("GPU utilization", per_gpu("avg(gpu_util)", "%"), unit="percent"),
-        timeseries("Memory-bus utilization", per_gpu("avg(mem_util)", "%"), unit="percent"),
-        timeseries("Free GPU memory", per_gpu("min(dram_free)", "bytes"), unit="bytes"),
-        timeseries("SM clock", per_gpu("avg(clock)", "MHz"), unit="rotmhz"),
-        timeseries("PCIe", per_gpu("avg(pcie_rx)", "rx"), per_gpu("avg(pcie_tx)", "tx"),
+        timeseries("GPU utilization", *per_gpu("gpu_util", "avg", "%", worst="min"), unit="percent"),
+        timeseries("Memory-bus utilization", *per_gpu("mem_util", "avg", "%"), unit="percent"),
+        timeseries("Free GPU memory", *per_gpu("dram_free", "min", "bytes", worst="min"), unit="bytes"),
+        timeseries("SM clock", *per_gpu("clock", "avg", "MHz", worst="min"), unit="rotmhz"),
+        timeseries("PCIe", *per_gpu("pcie_rx", "avg", "rx"), *per_gpu("pcie_tx", "avg", "tx"),
                    unit="Bps"),
-        timeseries("Throttled samples", per_gpu("countIf(throttle != '') / count() * 100", "%"),
+        timeseries("Throttled samples", *per_gpu("(throttle != '') * 100", "avg", "%"),
                    unit="percent", description="Share of samples with an active throttle reason."),
         table("Throttle events",
               "SELECT time, rank, id AS gpu, throttle, clock, max_clock, temperature, power\n"
@@ -259,12 +383,12 @@ MOE_DASHBOARD = {
     "uid": "trainmon-moe", "title": "trainmon / MoE", "ranks": True,
     "description": "Router health of mixture-of-experts layers.",
     "panels": [
-        timeseries("Load-balancing aux loss", per_rank("avg(aux_loss)", "moe", "aux loss"),
+        timeseries("Load-balancing aux loss", *per_rank("aux_loss", "avg", "moe", "aux loss"),
                    description="Switch / Megatron E·Σ f·P; 1.0 is perfectly balanced."),
-        timeseries("Router z-loss", per_rank("avg(z_loss)", "moe", "z-loss")),
-        timeseries("Expert utilization", per_rank("avg(expert_utilization) * 100", "moe", "%"),
+        timeseries("Router z-loss", *per_rank("z_loss", "avg", "moe", "z-loss")),
+        timeseries("Expert utilization", *per_rank("expert_utilization * 100", "avg", "moe", "%", worst="min"),
                    unit="percent", description="Share of experts that received tokens."),
-        timeseries("Load imbalance", per_rank("max(load_imbalance)", "moe", "max / mean"),
+        timeseries("Load imbalance", *per_rank("load_imbalance", "max", "moe", "max / mean"),
                    description="Most loaded expert over the mean load; 1.0 is balanced."),
         heatmap("Load imbalance per layer",
                 "SELECT $__timeInterval(time) AS time, "
@@ -289,23 +413,17 @@ MEMORY_DASHBOARD = {
     "uid": "trainmon-memory", "title": "trainmon / Memory", "ranks": True,
     "description": "torch.cuda caching allocator counters and memory by segment.",
     "panels": [
-        timeseries("Allocated", per_rank("max(allocated)", "allocator", "allocated"), unit="bytes"),
-        timeseries("Peak allocated", per_rank("max(peak_allocated)", "allocator", "peak"),
+        timeseries("Allocated", *per_rank("allocated", "max", "allocator", "allocated"), unit="bytes"),
+        timeseries("Peak allocated", *per_rank("peak_allocated", "max", "allocator", "peak"),
                    unit="bytes"),
-        timeseries("Reserved", per_rank("max(reserved)", "allocator", "reserved"), unit="bytes",
+        timeseries("Reserved", *per_rank("reserved", "max", "allocator", "reserved"), unit="bytes",
                    description="Held by the caching allocator; reserved - allocated is cache."),
-        timeseries("Inactive (fragmentation)", per_rank("max(inactive)", "allocator", "inactive"),
+        timeseries("Inactive (fragmentation)", *per_rank("inactive", "max", "allocator", "inactive"),
                    unit="bytes"),
-        timeseries("Memory by segment (device)",
-                   series("max(segment_device)", "allocator ARRAY JOIN stats.name AS segment, "
-                          "stats.device AS segment_device",
-                          label="segment", where=RANKS, alias="bytes"),
-                   unit="bytes", stack=True,
+        timeseries("Memory by segment (device)", by_segment("stats.device"), unit="bytes", stack=True,
                    description="weights / gradients / optimizer / activations, max over ranks."),
         timeseries("Memory by segment (host)",
-                   series("max(segment_host)", "allocator ARRAY JOIN stats.name AS segment, "
-                          "arrayMap((p, q) -> p + q, stats.pinned, stats.pageable) AS segment_host",
-                          label="segment", where=RANKS, alias="bytes"),
+                   by_segment("arrayMap((p, q) -> p + q, stats.pinned, stats.pageable)"),
                    unit="bytes", stack=True, description="Pinned plus pageable host memory."),
         stat("Allocation retries", f"SELECT max(alloc_retries) FROM allocator WHERE {RUN}",
              description="cudaMalloc retries after freeing cache: a sign of memory pressure."),
@@ -313,10 +431,14 @@ MEMORY_DASHBOARD = {
               "SELECT rank, segment, device, pinned, pageable\n"
               "FROM (SELECT rank, argMax(stats.name, step) AS names, argMax(stats.device, step) AS devices,\n"
               "             argMax(stats.pinned, step) AS pinneds, argMax(stats.pageable, step) AS pageables\n"
-              f"      FROM allocator WHERE {RUN} AND {RANKS} GROUP BY rank)\n"
+              f"      FROM allocator WHERE {RUN} AND {RANKS}\n"
+              f"          AND time >= (SELECT max(time) FROM allocator WHERE {RUN}) - INTERVAL 10 MINUTE\n"
+              "      GROUP BY rank)\n"
               "ARRAY JOIN names AS segment, devices AS device, pinneds AS pinned, pageables AS pageable\n"
-              "ORDER BY rank, segment",
-              width=20, units={"device": "bytes", "pinned": "bytes", "pageable": "bytes"}),
+              "ORDER BY device DESC, rank, segment\nLIMIT 200",
+              width=20, units={"device": "bytes", "pinned": "bytes", "pageable": "bytes"},
+              description="The latest sample of every rank that reported in the run's last 10 "
+                          "minutes; the biggest segments first."),
     ],
 }
 
@@ -333,13 +455,13 @@ HEALTH_DASHBOARD = {
     "description": "The rest of the production checklist: GPU error counters (ECC, row "
                    "remapping, XID), checkpoints and the disk they go to, warnings the logs printed.",
     "panels": [
-        timeseries("Corrected ECC errors", per_gpu("max(ecc_volatile_corrected)", "errors", table="gpu_health"),
+        timeseries("Corrected ECC errors", *per_gpu("ecc_volatile_corrected", "max", "errors", table="gpu_health"),
                    description="Volatile count since the driver loaded; a steady climb is memory "
                                "going bad (rule ecc_corrected_rising)."),
         timeseries("Uncorrected ECC errors and XIDs",
-                   per_gpu("max(ecc_volatile_uncorrected)", "uncorrected", table="gpu_health"),
+                   *per_gpu("ecc_volatile_uncorrected", "max", "uncorrected", table="gpu_health"),
                    series("sum(xid_count)", "gpu_health", label=f"concat({GPU_SERIES}, ' xid')",
-                          where=RANKS, alias="critical XIDs"),
+                          where=f"{RANKS} AND xid_count > 0", alias="critical XIDs"),
                    description="Any uncorrected error or critical XID is an alert (ecc_uncorrected, "
                                "xid_critical)."),
         table("GPU health (latest per GPU)",
@@ -421,8 +543,8 @@ ALERTS_DASHBOARD = {
     "description": "Alerts raised by `trainmon consume alerts`, also shown as markers on "
                    "every dashboard.",
     "panels": [
-        stat("Incidents open now", f"SELECT alerts_open FROM run_summary WHERE {RUN}", width=6),
-        stat("Critical alerts fired", f"SELECT alerts_critical FROM run_summary WHERE {RUN}",
+        stat("Incidents open now", f"SELECT alerts_open FROM run_overview WHERE {RUN}", width=6),
+        stat("Critical alerts fired", f"SELECT alerts_critical FROM run_overview WHERE {RUN}",
              width=6),
         bar_chart("Alerts by rule",
                   "SELECT rule, countIf(state = 'firing') AS fired\n"

