@@ -83,8 +83,8 @@ def load(client, ranks: int, steps: int, start: datetime, small_runs: int = 50) 
                    "_topic, _partition, _offset",
                    common.replace("intDiv(number, {w})".format(w=world), f"(intDiv(number, {world}) * 5)")
                    + f", r % 8, 1755, 1980, 600000 + cityHash64(number) % 100000, 700000, "
-                   f"60 + cityHash64(number, 1) % 20, 87, 95, 40, 10737418240, 1000000, 2000000, 0, "
-                   f"if(cityHash64(number, 2) % 1000 = 0, 'sw_power_cap', ''), 1000000000 + number, "
+                   "60 + cityHash64(number, 1) % 20, 87, 95, 40, 10737418240, 1000000, 2000000, 0, "
+                   "if(cityHash64(number, 2) % 1000 = 0, 'sw_power_cap', ''), 1000000000 + number, "
                    f"'trainmon.gpu', 0, number",
                    world * (n_steps // 5))
             insert("allocator", envelope + ", `stats.name`, `stats.device`, `stats.managed`, `stats.pinned`, "
@@ -129,14 +129,15 @@ def loaded_start(client) -> datetime | None:
     return None if first is None or first.year < 2000 else first.replace(tzinfo=timezone.utc)
 
 
-def points_per_series(result) -> int:
-    """The most rows one series has in a time-series result (rows per distinct label)."""
+def series_shape(result) -> tuple[int, int]:
+    """(series, most points of one series) of a time-series result: rows per distinct
+    label; (0, 0) for a table."""
     names = list(result.column_names)
     if "time" not in names:
-        return 0
+        return 0, 0
     label = names.index("series") if "series" in names else None
     per_series = Counter(row[label] if label is not None else None for row in result.result_rows)
-    return max(per_series.values(), default=0)
+    return len(per_series), max(per_series.values(), default=0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,20 +188,22 @@ def main(argv: list[str] | None = None) -> int:
                     timings.append((time.perf_counter() - t) * 1000)
             except Exception as exc:  # noqa: BLE001 - a broken panel is reported, not fatal
                 print(f"FAILED {name}: {str(exc).splitlines()[0][:300]}", flush=True)
-                rows.append((name, math.inf, math.inf, 0, 0))
+                rows.append((name, math.inf, math.inf, 0, 0, 0))
                 continue
             rows.append((name, statistics.median(timings), max(timings), len(result.result_rows),
-                         points_per_series(result)))
+                         *series_shape(result)))
         width = max(len(r[0]) for r in rows)
-        print(f"\n{'query':<{width}}  {'median ms':>9}  {'max ms':>7}  {'rows':>7}  {'pts/series':>10}")
-        for name, median, slowest, n_rows, points in rows:
-            flag = "  <-- over" if median > MEDIAN_TARGET_MS or slowest > MAX_TARGET_MS \
+        print(f"\n{'query':<{width}}  {'median ms':>9}  {'max ms':>7}  {'rows':>7}  {'series':>6}  "
+              f"{'pts/series':>10}")
+        for name, median, slowest, n_rows, n_series, points in rows:
+            flag = "  <-- over target" if median > MEDIAN_TARGET_MS or slowest > MAX_TARGET_MS \
                 or points > POINTS_TARGET else ""
-            print(f"{name:<{width}}  {median:9.1f}  {slowest:7.1f}  {n_rows:7d}  {points:10d}{flag}")
+            print(f"{name:<{width}}  {median:9.1f}  {slowest:7.1f}  {n_rows:7d}  {n_series:6d}  {points:10d}{flag}")
         medians = sorted(r[1] for r in rows)
         worst_median = max(rows, key=lambda r: r[1])
         worst_max = max(rows, key=lambda r: r[2])
-        worst_points = max(rows, key=lambda r: r[4])
+        worst_points = max(rows, key=lambda r: r[5])
+        most_series = max(rows, key=lambda r: r[4])
         print(f"\nall queries: median of medians {statistics.median(medians):.1f} ms, "
               f"{sum(m > MEDIAN_TARGET_MS for m in medians)} of {len(rows)} over {MEDIAN_TARGET_MS:.0f} ms")
         verdict = lambda ok: "met" if ok else "MISSED"  # noqa: E731
@@ -208,8 +211,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{worst_median[1]:.1f} ms ({worst_median[0]}): {verdict(worst_median[1] <= MEDIAN_TARGET_MS)}")
         print(f"target: every query <= {MAX_TARGET_MS:.0f} ms at most: slowest run {worst_max[2]:.1f} ms "
               f"({worst_max[0]}): {verdict(worst_max[2] <= MAX_TARGET_MS)}")
-        print(f"target: <= {POINTS_TARGET:,} points per series: most {worst_points[4]:,} "
-              f"({worst_points[0]}): {verdict(worst_points[4] <= POINTS_TARGET)}")
+        print(f"target: <= {POINTS_TARGET:,} points per series: most {worst_points[5]:,} "
+              f"({worst_points[0]}): {verdict(worst_points[5] <= POINTS_TARGET)}")
+        print(f"series per query (not a target: distribution plus standouts, not one per rank): "
+              f"most {most_series[4]:,} ({most_series[0]})")
         client.close()
     return 0
 
