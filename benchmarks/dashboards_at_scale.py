@@ -82,10 +82,10 @@ def load(client, ranks: int, steps: int, start: datetime, small_runs: int = 50) 
                    "gpu_util, mem_util, dram_free, pcie_rx, pcie_tx, fan, throttle, energy, "
                    "_topic, _partition, _offset",
                    common.replace("intDiv(number, {w})".format(w=world), f"(intDiv(number, {world}) * 5)")
-                   + f", r % 8, 1755, 1980, 600000 + cityHash64(number) % 100000, 700000, "
+                   + ", r % 8, 1755, 1980, 600000 + cityHash64(number) % 100000, 700000, "
                    "60 + cityHash64(number, 1) % 20, 87, 95, 40, 10737418240, 1000000, 2000000, 0, "
                    "if(cityHash64(number, 2) % 1000 = 0, 'sw_power_cap', ''), 1000000000 + number, "
-                   f"'trainmon.gpu', 0, number",
+                   "'trainmon.gpu', 0, number",
                    world * (n_steps // 5))
             insert("allocator", envelope + ", `stats.name`, `stats.device`, `stats.managed`, `stats.pinned`, "
                    "`stats.pageable`, allocated, peak_allocated, active, inactive, reserved, alloc_retries, "
