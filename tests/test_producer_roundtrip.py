@@ -71,14 +71,40 @@ def test_per_rank_order_is_kept(make_producer, bootstrap, topic_prefix):
     assert len({rec.event_id for rec in received}) == ranks * steps
 
 
-def test_topic_per_kind_and_key_per_rank(make_producer, bootstrap, topic_prefix):
+def test_topic_per_kind_and_key_per_run(make_producer, bootstrap, topic_prefix):
     from .conftest import read_topic
 
     producer = make_producer(run_id="keys", rank=5, world_size=8)
     producer.log_eval(3, eval_tokens=10, duration_ms=1.0, loss=1.0)
     assert producer.flush(20)
     [message] = read_topic(bootstrap, topics.topic_for("eval", topic_prefix), 1)
-    assert message.key == b"keys/5"
+    assert message.key == b"keys"  # every rank of a run: one partition, one alerts engine
+
+
+def test_both_transports_put_a_run_on_the_same_partition(both_clients, make_producer, bootstrap,
+                                                         topic_prefix):
+    """This transport and the other one hash a run's key alike (murmur2), so ranks of one
+    run that log through different transports still reach one partition, one engine."""
+    from datetime import datetime, timezone
+
+    from trainmon.schemas import StepRecord
+
+    from .conftest import read_topic
+
+    other = "kafka-python" if both_clients == "confluent-kafka" else "confluent-kafka"
+    runs = [f"run-{i}" for i in range(16)]
+    for rank, producer in enumerate([make_producer(), make_producer(client=other)]):
+        for run in runs:
+            producer.send_record(StepRecord(run_id=run, rank=rank, world_size=2, host="h", step=1, loss=1.0,
+                                            time=datetime.now(timezone.utc), event_id=f"{run}-{rank}"))
+        assert producer.flush(20), producer.config.client
+    messages = read_topic(bootstrap, topics.topic_for("step", topic_prefix), 2 * len(runs))
+    partitions: dict[bytes, set[int]] = {}
+    for m in messages:
+        partitions.setdefault(m.key, set()).add(m.partition)
+    assert set(partitions) == {run.encode() for run in runs}
+    assert all(len(p) == 1 for p in partitions.values()), partitions
+    assert len(set().union(*partitions.values())) > 1  # the keys do spread over the partitions
 
 
 def test_records_are_packed_per_topic_and_key_in_order_within_the_limits():

@@ -27,9 +27,14 @@ def all_topics(topic_prefix: str | None = None) -> list[str]:
     return [topic_for(k, topic_prefix) for k in [*RECORD_TYPES, DEADLETTER]]
 
 
-def record_key(run_id: str, rank: int) -> bytes:
-    # One key per (run, rank): Kafka keeps a key's records in order on one partition.
-    return f"{run_id}/{rank}".encode()
+def record_key(run_id: str) -> bytes:
+    """One key per run. Kafka keeps a key's records in order on one partition, so each
+    rank's records stay in order (a subset of the run's); and with every record topic of
+    the same partition count and one hash for all producers (murmur2, see
+    kafka_client.settings), every kind of a run lands on the same partition number, which
+    the consumer group's range assignor gives to one member: each alerts engine sees
+    whole runs, every rank of them (docs/alerts.md, "Scaling out")."""
+    return run_id.encode()
 
 
 def uncovered(existing, topic_prefix: str | None = None) -> list[str]:

@@ -58,6 +58,7 @@ class Consumer:
             # A subscribed topic created later (by another consumer's group, by hand) is
             # noticed within seconds, not at librdkafka's default 5-minute refresh.
             "topic.metadata.refresh.interval.ms": 10_000,
+            "partition.assignment.strategy": settings.ASSIGNMENT_STRATEGY,
             **overrides,
         })
         if instance_id:

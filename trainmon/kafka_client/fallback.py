@@ -54,6 +54,8 @@ class KafkaPythonTransport:
             "request_timeout_ms": min(4000, c.delivery_timeout_ms),
             "delivery_timeout_ms": c.delivery_timeout_ms,
             "reconnect_backoff_max_ms": 1000,
+            # The partitioner is kafka-python's default, murmur2 of the key like the
+            # confluent transport's (settings.PARTITIONER): a run, one partition, either way.
         }
 
     def _connect(self):

@@ -36,7 +36,7 @@ class Producer:
         from confluent_kafka import Producer as _Producer
 
         config = settings.librdkafka(env, bootstrap)
-        config.update({"acks": "all", "linger.ms": 5})
+        config.update({"acks": "all", "linger.ms": 5, "partitioner": settings.PARTITIONER})
         if durable:
             config.update({"enable.idempotence": True, "linger.ms": 0,
                            "message.timeout.ms": 0})  # 0: retried until delivered

@@ -13,6 +13,19 @@ import time
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
 
+# How a librdkafka producer picks a key's partition: Java's murmur2, which is kafka-python's
+# (the fallback transport's) default and the Java client's. librdkafka's own default
+# (consistent_random, a CRC32) would put a run's records sent through confluent-kafka on
+# other partitions than the same run's records sent through kafka-python, and the alerts
+# engines of a group would each see only part of the run (topics.record_key).
+PARTITIONER = "murmur2_random"  # murmur2 of the key; a message without a key: any partition
+# How a consumer group shares out partitions: "range" gives partition p of every topic to
+# the same member (the topics have one partition count), so the member that reads a run's
+# steps also reads its GPU, MoE, eval and run records (docs/alerts.md, "Scaling out").
+# librdkafka's default "range,roundrobin" elects range too while every member offers it;
+# naming it alone makes that a guarantee.
+ASSIGNMENT_STRATEGY = "range"
+
 # env var -> (librdkafka property, kafka-python argument)
 _SECURITY = {
     "TRAINMON_KAFKA_SECURITY_PROTOCOL": ("security.protocol", "security_protocol"),

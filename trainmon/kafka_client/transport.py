@@ -139,6 +139,7 @@ class ConfluentTransport:
                 "enable.idempotence": False,
                 "max.in.flight.requests.per.connection": 1,
                 "queue.buffering.max.messages": c.max_in_flight_messages,
+                "partitioner": settings.PARTITIONER,  # as kafka-python's: a run, one partition
             })
             try:
                 self._producer = Producer(conf)

@@ -88,7 +88,7 @@ class Producer:
             if cfg.strict:
                 raise ValueError(self.disabled_reason)
             log.error("%s", self.disabled_reason)
-        self._key = topics.record_key(cfg.run_id, cfg.rank)
+        self._key = topics.record_key(cfg.run_id)
         self._topics = {}
         self._envelope = {"run_id": cfg.run_id, "rank": cfg.rank,
                           "world_size": cfg.world_size, "host": cfg.host}
@@ -169,8 +169,7 @@ class Producer:
         topic = self._topics.get(record.kind)
         if topic is None:
             topic = self._topics[record.kind] = topics.topic_for(record.kind, self.config.topic_prefix)
-        key = self._key if record.run_id == self.config.run_id and record.rank == self.config.rank \
-            else topics.record_key(record.run_id, record.rank)
+        key = self._key if record.run_id == self.config.run_id else topics.record_key(record.run_id)
         self._worker.submit(topic, key, record)
 
     def _reject(self, kind: str, exc: ValidationError | str) -> None:

@@ -72,16 +72,16 @@ class AlertLog:
     def partitions(self) -> list[TopicPartition]:
         return [TopicPartition(self.topic, p) for p in self._consumer.partitions_for(self.topic)]
 
-    def end_offsets(self) -> dict[int, int]:
-        return {tp.partition: o for tp, o in self._consumer.end_offsets(self.partitions()).items()}
-
-    def read(self, start: dict[int, int] | None = None, timeout_s: float = 60.0) -> list[AlertRecord]:
-        """Every alert from ``start`` (partition -> offset; default: the beginning) to the end."""
+    def read(self, start: dict[int, int] | None = None,
+             timeout_s: float = 60.0) -> tuple[list[AlertRecord], dict[int, int]]:
+        """Every alert from ``start`` (partition -> offset; default: the beginning) to the
+        end, in time order, and that end (where the next read starts)."""
         end = self._consumer.end_offsets(self.partitions())
+        reached = {tp.partition: o for tp, o in end.items()}
         begin = {tp: min((start or {}).get(tp.partition, 0), end[tp]) for tp in end}
         todo = {tp: offset for tp, offset in begin.items() if end[tp] > offset}
         if not todo:
-            return []
+            return [], reached
         self._consumer.assign(todo)
         alerts: list[AlertRecord] = []
         deadline = time.monotonic() + timeout_s
@@ -96,7 +96,7 @@ class AlertLog:
                         log.warning("trainmon alerts: skipping an undecodable alert at %s[%d]@%d: %s",
                                     m.topic, m.partition, m.offset, exc.reason)
         alerts.sort(key=lambda a: a.time)
-        return alerts
+        return alerts, reached
 
     def close(self) -> None:
         self._consumer.close()

@@ -1,38 +1,53 @@
 """The engine's state on disk: one JSON file, replaced atomically, with the input offsets
-it corresponds to and the end of the alert topic at that moment."""
+it corresponds to, the partition each of its runs is read from, and how far into the alert
+topic its incident book is.
+
+A checkpoint is a consistent snapshot of the runs of the partitions in its offsets, so
+whoever loads it uses it only for the partitions it is assigned: the service drops the
+runs of the others (another engine of the group judges them) and replays those partitions
+without a snapshot from their topics. Each member of a group writes its own file
+(``checkpoint_path``'s ``member``): two engines sharing a ``state_dir`` would otherwise
+keep overwriting each other's, which would cost warm windows, not correctness.
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger("trainmon.alerts")
-VERSION = 1
+VERSION = 2  # 2: with the partition of each run (version 1 came from rank-keyed records)
 
 
 @dataclass
 class Checkpoint:
     engine: dict
     offsets: dict[str, int]  # "topic:partition" -> next offset to read
-    alert_offsets: dict[int, int]  # alert topic partition -> its end when this was written
+    alert_offsets: dict[int, int]  # alert topic partition -> how far the book has read it
+    run_partitions: dict[str, int]  # run -> the partition number its records are read from
     saved_at: float = field(default_factory=time.time)
 
 
-def checkpoint_path(state_dir: Path, group_id: str, topic_prefix: str) -> Path:
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{group_id}@{topic_prefix}")
+def checkpoint_path(state_dir: Path, group_id: str, topic_prefix: str, member: str | None = None) -> Path:
+    """``member``: the consumer's static instance id (unique in its group). None (a dynamic
+    member) shares the group's file."""
+    name = f"{group_id}@{topic_prefix}" + (f"@{member}" if member else "")
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
     return Path(state_dir) / f"{safe}.json"
 
 
 def save(path: Path, checkpoint: Checkpoint) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    # One temporary file per writer: two engines in one process (a test) may share a path.
+    tmp = path.with_suffix(f".tmp{os.getpid()}-{threading.get_ident()}")
     data = {"version": VERSION, "saved_at": checkpoint.saved_at, "offsets": checkpoint.offsets,
             "alert_offsets": {str(p): o for p, o in checkpoint.alert_offsets.items()},
-            "engine": checkpoint.engine}
+            "run_partitions": checkpoint.run_partitions, "engine": checkpoint.engine}
     with open(tmp, "w") as f:
         json.dump(data, f, separators=(",", ":"))
         f.flush()
@@ -56,4 +71,4 @@ def load(path: Path) -> Checkpoint | None:
         return None
     return Checkpoint(engine=data["engine"], offsets=data["offsets"],
                       alert_offsets={int(p): o for p, o in data["alert_offsets"].items()},
-                      saved_at=data["saved_at"])
+                      run_partitions=data["run_partitions"], saved_at=data["saved_at"])

@@ -361,6 +361,9 @@ class AlertsConfig(BaseModel):
     state_dir: Path = Field(default_factory=lambda: Path.home() / ".cache" / "trainmon" / "alerts")
     checkpoint_interval_s: float = Field(10.0, gt=0)
     rebuild_records: int = Field(2000, ge=0)  # per partition, when there is no checkpoint
+    # How long the group waits for an engine that stopped or hangs before handing its runs
+    # to the others (the broker allows 6 s to 30 min; librdkafka's default is 45 s).
+    session_timeout_s: float = Field(45.0, ge=6, le=1800)
     grafana_dashboard_uid: Optional[str] = None
     grafana_timeout_s: float = Field(5.0, gt=0)
     grafana_group_id: str = "trainmon-alerts-grafana"

@@ -211,6 +211,16 @@ class AlertEngine:
             self.book.forget_run(gone)
         return out
 
+    def release_runs(self, run_ids) -> None:
+        """Runs another engine of the group judges now (a rebalance moved their partition):
+        their windows go, so no rule here acts on them, not even a tick noticing their
+        silence. Their incidents stay in the book, which the service keeps current from
+        the alert topic: should a run come back, an incident still open is not fired again
+        and a new one is not numbered like an old one."""
+        for run_id in run_ids:
+            self.runs.pop(run_id, None)
+            self.book.drop_streaks(run_id)
+
     # -- checkpoint -----------------------------------------------------------------------
 
     def dump(self) -> dict:

@@ -267,7 +267,9 @@ class IncidentBook:
     # -- the one state transition ------------------------------------------------------
 
     def apply(self, alert: AlertRecord) -> None:
-        """Take a firing / resolved event into account (ours, or replayed from the topic)."""
+        """Take a firing / resolved event into account (ours, or replayed from the topic).
+        Applying an event again changes nothing: the service reads the alert topic back
+        (at a rebalance, at each checkpoint) and meets its own events there too."""
         parsed = parse_incident_id(alert)
         if parsed is None:
             return  # not an incident of this engine's making
@@ -275,19 +277,29 @@ class IncidentBook:
         ks = self.keys.get(key)
         if ks is None:
             ks = self._new_key(key)
-        ks.ordinal = max(ks.ordinal, ordinal)
         t = alert.time.timestamp()
         if alert.state == "firing":
-            if ks.open is None or ks.open.alert.incident_id != alert.incident_id:
+            # Only a newer incident opens: the same one again, or one it superseded, must
+            # not reopen what has resolved since (nor count twice against the rate limit).
+            if ordinal > ks.ordinal:
+                ks.ordinal = ordinal
                 bad = [WHOLE_RUN] if key[0] in self.whole_run_rules else (alert.ranks or [alert.rank])
                 ks.open = Incident(alert, bad, alert.ranks)
                 window = self.fired.setdefault(alert.run_id, deque())
                 window.append(t)
-        elif ks.open is not None and ks.open.alert.incident_id == alert.incident_id:
+            return
+        ks.ordinal = max(ks.ordinal, ordinal)
+        if ks.open is not None and ks.open.alert.incident_id == alert.incident_id:
             ks.open = None
             ks.closed_at = t
             ks.closed_step = alert.step
             ks.streaks.clear()
+
+    def drop_streaks(self, run_id: str) -> None:
+        """Forget the run's observations in progress, not its incidents: another engine
+        observes the run now, and should it come back here, its records are replayed."""
+        for key in self.by_run.get(run_id, ()):
+            self.keys[key].streaks.clear()
 
     # -- internals ----------------------------------------------------------------------
 

@@ -7,6 +7,11 @@ read back from the alert topic, and records between the checkpoint and the commi
 offsets are replayed as warm-up (windows update, nothing fires twice). Without a
 checkpoint, incidents come from the whole alert topic and the last ``rebuild_records``
 records per partition warm the windows up.
+
+Several engines in one group share the runs out (see .ownership): at every assignment an
+engine reads the alerts the others published since it last looked, drops the runs it
+lost and warms up the partitions it gained the same way, so an incident fires once
+whichever engine sees it.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 
 import yaml
 
@@ -27,6 +33,7 @@ from . import checkpoint
 from .alert_topic import AlertLog, AlertPublisher
 from .config import AlertsConfig, ConfigError, load_config
 from .engine import INPUT_KINDS, AlertEngine
+from .ownership import Ownership
 
 log = logging.getLogger("trainmon.alerts")
 
@@ -37,73 +44,103 @@ class AlertService:
         self.prefix = topics.prefix() if topic_prefix is None else topic_prefix
         self.env = env
         self.alert_topic = topics.topic_for("alert", self.prefix)
-        self.path = checkpoint.checkpoint_path(config.state_dir, config.group_id, self.prefix)
+        self.path: Path | None = None  # the checkpoint, per group member: known once it joined
         self.engine = AlertEngine(config)
         self.stop = threading.Event()
         self.stats = {"records": 0, "alerts": 0, "warmup": 0, "errors": 0}
         self.ticks = 0
-        self._start_offsets: dict[str, int] = {}
-        self._warm_until: dict[tuple[str, int], int] = {}
-        self._had_checkpoint = False
+        self.ownership = Ownership()
+        self._alerts_read: dict[int, int] = {}  # alert topic partition -> how far the book has read
+        self._said_uneven: tuple | None = None
+        self._publisher: AlertPublisher | None = None
+        self._alert_log: AlertLog | None = None
 
     # -- start-up ----------------------------------------------------------------------
 
-    def _restore(self, alert_log: AlertLog, publisher: AlertPublisher) -> None:
+    def _restore(self) -> None:
         saved = checkpoint.load(self.path)
-        start = None
+        restored = False
         if saved is not None:
             try:
                 self.engine.load(saved.engine)
-                self._start_offsets = saved.offsets
-                self._had_checkpoint = True
-                start = saved.alert_offsets
+                self.ownership.restore(saved.offsets, saved.run_partitions)
+                self._alerts_read = dict(saved.alert_offsets)
+                restored = True
             except (KeyError, TypeError, ValueError) as exc:
                 log.warning("trainmon alerts: checkpoint %s does not fit this version (%s); "
                             "rebuilding from the topics", self.path, exc)
                 self.engine = AlertEngine(self.config)
-        for alert in alert_log.read(start):
-            self.engine.book.apply(alert)
-            publisher.published.add(alert.event_id)
+                self.ownership = Ownership()
+        self._read_alerts()
         log.info("trainmon alerts: %s; %d open incident(s)",
-                 f"restored {self.path}" if self._had_checkpoint else "no checkpoint, rebuilt from the alert topic",
+                 f"restored {self.path}" if restored else "no checkpoint, rebuilt from the alert topic",
                  len(self.engine.book.open_incidents()))
 
+    def _read_alerts(self) -> None:
+        """Bring the incident book up to the alert topic's end: the alerts published since
+        it last looked, by this engine (applying them again changes nothing) and by the
+        others of its group."""
+        alerts, self._alerts_read = self._alert_log.read(self._alerts_read)
+        for alert in alerts:
+            self.engine.book.apply(alert)
+            self._publisher.published.add(alert.event_id)
+
     def _on_assign(self, stream: RecordStream, partitions: list[TopicPartition]) -> None:
-        """Start assigned partitions at the checkpoint (or rewind them to rebuild the
-        windows) and mark the already-judged records up to the commit as warm-up. Runs
-        inside poll, so the committed offsets can be asked for here."""
+        """A new assignment (runs inside poll, so the broker can be asked here). The runs of
+        partitions this engine lost go; the incidents other engines published come in, so
+        that one still open here is not fired again; partitions it gained are rewound by
+        ``rebuild_records`` and, like the records between a checkpoint and the committed
+        offsets, replayed as warm-up."""
         consumer = stream.consumer
-        committed = consumer.committed(partitions)
+        self._say_uneven_partitions(consumer, stream.topic_names)
+        self.engine.release_runs(self.ownership.assign(partitions))
+        self._read_alerts()
+        committed = consumer.committed(partitions) if partitions else {}
         for tp in partitions:
-            done = committed.get(tp)
-            start = self._start_offsets.get(f"{tp.topic}:{tp.partition}")
-            if start is None and not self._had_checkpoint and done and self.config.rebuild_records:
-                start = max(0, done - self.config.rebuild_records)
+            start = self.ownership.start(tp, committed.get(tp), self.config.rebuild_records)
             if start is not None:
                 consumer.seek(tp, start)
-                if done and start < done:
-                    self._warm_until[(tp.topic, tp.partition)] = done
+        log.info("trainmon alerts: assigned %d partition(s) (numbers %s), judging %d run(s)",
+                 len(partitions), sorted({tp.partition for tp in partitions}), len(self.engine.runs))
+
+    def _say_uneven_partitions(self, consumer, topic_names: list[str]) -> None:
+        """Records of one run reach one engine only while every record topic has the same
+        partition count: say so loudly when not (once per distinct layout)."""
+        counts = {t: len(consumer.partitions_for(t)) for t in topic_names}
+        if len(set(counts.values()) - {0}) > 1 and tuple(sorted(counts.items())) != self._said_uneven:
+            self._said_uneven = tuple(sorted(counts.items()))
+            log.error("trainmon alerts: the record topics have different partition counts (%s): a "
+                      "run's kinds land on different partition numbers, so with more than one engine "
+                      "in group %s an engine sees only part of a run. Give every record topic the "
+                      "same count (kafka-topics --alter --partitions).",
+                      ", ".join(f"{t} {n}" for t, n in sorted(counts.items())), self.config.group_id)
 
     # -- the loop ------------------------------------------------------------------------
 
     def run(self, exit_when_idle_s: float | None = None) -> None:
-        publisher = AlertPublisher(self.alert_topic, self.env)
-        alert_log = AlertLog(self.alert_topic, self.env)
+        self._publisher = AlertPublisher(self.alert_topic, self.env)
+        self._alert_log = AlertLog(self.alert_topic, self.env)
         stream = None
+        session_ms = int(self.config.session_timeout_s * 1000)
         try:
-            self._restore(alert_log, publisher)
-            stream = RecordStream(self.config.group_id, INPUT_KINDS, topic_prefix=self.prefix,
-                                  env=self.env, on_assign=lambda parts: self._on_assign(stream, parts))
-            self._loop(stream, publisher, alert_log, exit_when_idle_s)
+            stream = RecordStream(self.config.group_id, INPUT_KINDS, topic_prefix=self.prefix, env=self.env,
+                                  on_assign=lambda parts: self._on_assign(stream, parts),
+                                  on_revoke=lambda parts: self.ownership.revoke(parts),
+                                  **{"session.timeout.ms": session_ms,
+                                     "heartbeat.interval.ms": min(3000, session_ms // 3)})
+            # Joined (its static instance id claimed) but not assigned before the first poll.
+            self.path = checkpoint.checkpoint_path(self.config.state_dir, self.config.group_id,
+                                                   self.prefix, stream.instance_id)
+            self._restore()
+            self._loop(stream, exit_when_idle_s)
         finally:
             if stream is not None:
                 stream.close()
-            publisher.close()
-            alert_log.close()
+            self._publisher.close()
+            self._alert_log.close()
 
-    def _loop(self, stream: RecordStream, publisher: AlertPublisher, alert_log: AlertLog,
-              exit_when_idle_s: float | None) -> None:
-        engine = self.engine
+    def _loop(self, stream: RecordStream, exit_when_idle_s: float | None) -> None:
+        engine, publisher, ownership = self.engine, self._publisher, self.ownership
         last_checkpoint = time.monotonic()
         last_record = time.monotonic()
         while not self.stop.is_set():
@@ -111,7 +148,7 @@ class AlertService:
             alerts = []
             received = time.time()
             for m in messages:
-                warm = m.offset < self._warm_until.get((m.topic, m.partition), -1)
+                warm = ownership.saw(m.topic, m.partition, m.offset, m.record.run_id)
                 engine.warming_up = warm
                 try:
                     alerts.extend(engine.process(m.record, received))
@@ -132,12 +169,12 @@ class AlertService:
                 stream.commit_polled()
                 last_record = time.monotonic()
             if time.monotonic() - last_checkpoint >= self.config.checkpoint_interval_s:
-                self._checkpoint(stream, alert_log)
+                self._checkpoint()
                 last_checkpoint = time.monotonic()
             if exit_when_idle_s is not None and caught_up and not messages \
                     and time.monotonic() - last_record >= exit_when_idle_s:
                 break
-        self._checkpoint(stream, alert_log)
+        self._checkpoint()
 
     def _caught_up(self, stream: RecordStream) -> bool:
         """Every assigned partition read to its end: only then can a rank's silence be
@@ -147,22 +184,24 @@ class AlertService:
         if not assigned:
             return False
         for topic in stream.topic_names:
-            for p in consumer.partitions_for(topic):
-                if TopicPartition(topic, p) not in assigned:
-                    return False  # a topic whose partitions the group has not handed out yet
+            if not self.ownership.holds_all_of(topic, consumer.partitions_for(topic)):
+                return False  # a topic whose partitions the group has not handed out yet
         highs = {tp: consumer.watermarks(tp, cached=True)[1] for tp in assigned}  # as of the last fetch
         if any(high < 0 for high in highs.values()):
             return False
         positions = consumer.positions(assigned)
         return all(positions[tp] >= high for tp, high in highs.items())
 
-    def _checkpoint(self, stream: RecordStream, alert_log: AlertLog) -> None:
-        consumer = stream.consumer
-        offsets = dict(self._start_offsets)
-        for tp in consumer.assignment():
-            offsets[f"{tp.topic}:{tp.partition}"] = consumer.position(tp)
+    def _checkpoint(self) -> None:
+        # The book first catches up with the alert topic, so the alert offsets saved are
+        # exactly what it holds: a restart reads on from there and misses nothing another
+        # engine published meanwhile.
+        self._read_alerts()
+        engine = self.engine
+        self.ownership.prune(set(engine.runs) | set(engine.book.by_run) | set(engine.ended_runs))
         checkpoint.save(self.path, checkpoint.Checkpoint(
-            engine=self.engine.dump(), offsets=offsets, alert_offsets=alert_log.end_offsets()))
+            engine=engine.dump(), offsets=self.ownership.checkpoint_offsets(),
+            alert_offsets=self._alerts_read, run_partitions=self.ownership.run_partition))
 
 
 def build_parser() -> argparse.ArgumentParser:
