@@ -159,6 +159,12 @@ class Straggler(RuleConfig):
     factor: float = Field(1.3, gt=1)  # step time > factor x median of all ranks at that step
     min_ranks: int = Field(3, ge=2)
     timer: Optional[str] = None  # compare timers[timer] instead of duration_ms
+    # A step still missing ranks this long (record time) after its first report is judged
+    # with the ranks it has; the missing ones are not waited for until they report again.
+    wait_s: float = Field(30.0, gt=0)
+    # An open incident resolves once the rank's step time is back within clear_factor x
+    # the median (None: halfway between 1 and factor, 1.15 for 1.3): no flapping on jitter.
+    clear_factor: Optional[float] = Field(None, gt=1)
     fire_after: int = Field(5, ge=1)
     cooldown_s: float = Field(300.0, ge=0)
 

@@ -1,0 +1,51 @@
+"""The scale benchmark (benchmarks/scale.py) in its quick mode, against the session's
+broker: 16 ranks, 120 steps at 30x through the real ClickHouse and alerts services (each
+its own process) from two sender processes. Exactly the injected incidents fire, naming
+the right ranks, and every record becomes a row. No timing is asserted."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "scale.py"
+
+
+def _load():
+    # Under its own file name: the sender processes (spawned) import it by that name.
+    spec = importlib.util.spec_from_file_location("scale", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
+    spec.loader.exec_module(module)
+    return module
+
+
+scale = _load()
+
+
+def test_quick_run_fires_exactly_the_injected_incidents(bootstrap, tmp_path, capsys):
+    scn = scale.quick()
+    res = scale.run(scn, bootstrap, tmp_path / "scale", progress=lambda *_: None)
+
+    assert res.extra == [], [(a.rule, a.ranks, a.step, a.message) for a in res.extra]
+    fired = [(i.rule, i.alert.ranks if i.alert else None) for i in res.incidents]
+    assert fired == [("rank_mismatch", [scn.stop_rank]), ("straggler", [scn.straggler_ranks[0]])]
+    mismatch, straggler = (i.alert for i in res.incidents)
+    assert mismatch.step == scn.stop_step - 1  # the silent rank's last step
+    assert straggler.step == scn.straggler_onsets[0] + res.settings["fire_after"] - 1
+    for inc in res.incidents:
+        assert f"rank {inc.rank}" in inc.alert.message and len(inc.alert.message) < scale.MESSAGE_LIMIT
+    # Each incident resolves once, at the run's end (the ranks finish), and nothing else.
+    assert sorted((a.rule, a.state) for a in res.alerts) == [
+        ("rank_mismatch", "firing"), ("rank_mismatch", "resolved"),
+        ("straggler", "firing"), ("straggler", "resolved")]
+    assert res.rows == {"step": res.counts["step"], "gpu": res.counts["gpu"],
+                        "allocator": res.counts["allocator"], "run": res.counts["run"]}
+    assert res.counts["step"] == scn.ranks * scn.steps - (scn.steps - scn.stop_step)
+    assert res.engine["records"] == res.counts["step"] + res.counts["gpu"] + res.counts["run"]
+    assert f"{res.engine['records']} records" in res.engine["log"]  # the service's own count
+
+    met = dict((name.split(":")[0], ok) for name, ok in scale.report(res))
+    assert met["exactly the injected incidents fire, naming the right ranks"]
+    assert "alerts of the run" in capsys.readouterr().out
