@@ -122,6 +122,26 @@ def test_a_rank_read_late_is_still_waited_for():
     assert fired == [("straggler", [7], 9)]
 
 
+def test_other_kinds_read_ahead_do_not_cut_the_straggler_wait_short():
+    """GPU records read far ahead of the step topic (a warm-up replay reads topics one
+    after the other) do not count as time passing for the steps waiting for their ranks:
+    wait_s runs on step records' time."""
+    from datetime import datetime, timezone
+
+    from trainmon.schemas import GpuRecord
+
+    engine = engine_with()
+    records = steps_of("ahead", 8, range(20), slow={7: (5, 1.5)})
+    first, rest = [r for r in records if r.rank != 7 or r.step < 5], [r for r in records if r.rank == 7 and r.step >= 5]
+    gpu = [GpuRecord(run_id="ahead", rank=r, world_size=8, host="h", time=datetime.fromtimestamp(T0 + 600, timezone.utc),
+                     event_id=f"g{r}", step=19, id=0, clock=1, max_clock=1, power=1, power_limit=1, temperature=1,
+                     temp_slowdown=90, gpu_util=1, mem_util=1, dram_free=1, pcie_rx=1, pcie_tx=1, fan=0,
+                     throttle="") for r in range(8)]
+    events = judged(engine, gpu + first + rest)
+    fired = [(a.rule, a.ranks, a.step) for a, _ in events if a.state == "firing" and a.rule == "straggler"]
+    assert fired == [("straggler", [7], 9)]
+
+
 def test_ranks_that_keep_reporting_behind_the_others_are_waited_for():
     """Half the ranks are read 40 s behind the other half (a partition read later, a
     producer running late), interleaved: more than wait_s, but they keep reporting, so each

@@ -24,7 +24,7 @@ class _Pending:
     after what, in the order the engine read them."""
 
     __slots__ = ("steps", "since", "opened", "absent", "unseen_absent", "seq", "heard", "recheck",
-                 "judged", "top")
+                 "judged", "top", "clock")
 
     def __init__(self):
         self.steps: dict[int, dict[int, tuple[float, float]]] = {}  # step -> rank -> (value, t)
@@ -37,6 +37,9 @@ class _Pending:
         self.recheck = 0  # the seq from which a step past wait_s is looked at again
         self.judged: dict[int, int] = {}  # rank -> the newest step it had a verdict at
         self.top = -1  # the run's highest step so far (lower again: its steps started over)
+        # The newest step-record time: wait_s runs on it, not on the run's clock, which GPU
+        # or MoE records read ahead of the step topic (a replay, a warm-up) would push on.
+        self.clock = 0.0
 
     def open(self, step: int, t: float) -> dict:
         self.steps[step] = got = {}
@@ -74,6 +77,7 @@ class StragglerRule(Rule):
             p = run.slots[self.name] = _Pending()
         p.seq += 1
         p.heard[rank.rank] = p.seq
+        p.clock = max(p.clock, t)
         if run.max_step < p.top:  # resumed from a checkpoint: step numbers start over
             p.judged.clear()
         p.top = run.max_step
@@ -91,7 +95,7 @@ class StragglerRule(Rule):
             oldest = next(iter(p.steps))
             gave_up = False
             if len(p.steps) <= self.MAX_PENDING_STEPS:
-                if run.clock - p.since[oldest] <= self.cfg.wait_s or p.seq < p.recheck:
+                if p.clock - p.since[oldest] <= self.cfg.wait_s or p.seq < p.recheck:
                     break
                 waiting, gave_up = self._give_up_on_silent(run, p, oldest)
                 if waiting:
@@ -187,6 +191,7 @@ class StragglerRule(Rule):
             p.steps[step].update((rank, (v, t)) for rank, v, t in got)
         p.absent = set(data.get("absent", ()))
         p.unseen_absent = data.get("unseen_absent", 0)
+        p.clock = max((t for _, _, got in data["steps"] for _, _, t in got), default=0.0)
         return p
 
 
