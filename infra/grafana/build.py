@@ -159,13 +159,12 @@ def _and(*conditions: str) -> str:
     return " AND ".join(c for c in conditions if c)
 
 
-def bands(low: str, mid: str, high: str, source: str, alias: str, time: str = "time",
-          where: str = "") -> str:
+def bands(low: str, mid: str, high: str, source: str, alias: str, time: str = "time") -> str:
     """Min / median / max per interval as three series (query B)."""
     return (f"SELECT time, series, value AS \"{alias}\"\nFROM (\n"
             f"    SELECT $__timeInterval({time}) AS time, {low} AS low, {mid} AS mid, {high} AS high\n"
             f"    FROM {source}\n"
-            f"    WHERE {_and(RUN, f'$__timeFilter({time})', DISTRIBUTION, where)}\n"
+            f"    WHERE {_and(RUN, f'$__timeFilter({time})', DISTRIBUTION)}\n"
             f"    GROUP BY time\n)\n"
             f"ARRAY JOIN ['min', 'median', 'max'] AS series, [low, mid, high] AS value\n"
             f"ORDER BY time")
@@ -216,7 +215,7 @@ def mean(column: str) -> str:
     return f"sum({column}_sum) / nullIf(sum({column}_count), 0)"
 
 
-def step_across_ranks(column: str, alias: str, low: str, median: str, high: str,
+def step_panel(column: str, alias: str, low: str, median: str, high: str,
                       rank_mean: str, worst: str) -> tuple[str, str, str]:
     """Queries A, B, C of a step-record panel, B and C from the rollups: the distribution
     from step_stats, the standouts (by their mean over the range) from rank_10s."""
@@ -304,14 +303,14 @@ RANKS_DASHBOARD = {
                             f"of more than {PER_RANK_LINES_UP_TO} ranks a row is a group of ranks "
                             "(at most 64 rows) colored by its slowest rank."),
         timeseries("Step time across ranks",
-                   *step_across_ranks("duration_ms", "step ms", "min(min_duration_ms)",
+                   *step_panel("duration_ms", "step ms", "min(min_duration_ms)",
                                       "quantileBFloat16IfMerge(0.5)(duration_ms_quantiles)",
                                       "max(max_duration_ms)", mean("duration_ms"), worst="max"),
                    unit="ms", description=f"One line per rank up to {PER_RANK_LINES_UP_TO} ranks; "
                                           f"above, min / median / max over the ranks and the "
                                           f"{STANDOUTS} slowest ranks."),
         timeseries("Tokens / s across ranks",
-                   *step_across_ranks("tokens_per_second", "tokens/s", "min(min_tokens_per_second)",
+                   *step_panel("tokens_per_second", "tokens/s", "min(min_tokens_per_second)",
                                       "quantileBFloat16IfMerge(0.5)(tokens_per_second_quantiles)",
                                       "max(max_tokens_per_second)", mean("tokens_per_second"), worst="min"),
                    description=f"One line per rank up to {PER_RANK_LINES_UP_TO} ranks; above, min / "
