@@ -17,7 +17,8 @@ Exactly once. A Kafka message reaches these tables once, like the step table: th
 inserts each partition's batch with a dedup token and
 ``deduplicate_blocks_in_dependent_materialized_views = 1`` (INSERT_SETTINGS), and every
 table here keeps a dedup window, so a retried batch is dropped by the views too, not
-only by the step table (tested: without the setting the view counted the retry again).
+only by the step table (tested; with the setting at 0, the default of older servers, a
+view counted the retry again; chDB 26.9 defaults to 1).
 The one thing the views cannot see is the *same record in two Kafka messages* (a
 producer re-sending a message whose acknowledgement was lost): the step table collapses
 it (ReplacingMergeTree, read with ``FINAL``), and here extremes, slowest / fastest rank
