@@ -59,53 +59,56 @@ def load(client, ranks: int, steps: int, start: datetime, small_runs: int = 50) 
             client.command(f"INSERT INTO trainmon.{table} ({columns}) SELECT {select} "
                            f"FROM (SELECT number + {first} AS number FROM numbers({n})) WHERE {where}")
 
-    def runs(run_ids: list[str], world: int, n_steps: int, t_start: str) -> None:
-        for run_id in run_ids:
-            # Step i of rank r ends about i seconds in; rank 17 is 20 % slower from the middle
-            # on; rank 5 stops at 90 %; jitter is deterministic (cityHash of the row number).
-            step_rows = world * n_steps
-            common = (f"'{run_id}', number % {world} AS r, {world}, concat('node-', toString(intDiv(r, 8))), "
-                      f"toDateTime64('{t_start}', 6, 'UTC') + toIntervalMillisecond(intDiv(number, {world}) * 1000 "
-                      f"+ cityHash64(number) % 200), concat('{run_id}-', toString(number)), 1, intDiv(number, {world}) AS s")
-            envelope = "run_id, rank, world_size, host, time, event_id, schema_version, step"
-            insert("step", envelope + ", epoch, step_tokens, duration_ms, loss, norm, lr, tokens_per_second, "
-                   "total_steps, loss_scale, params_norm, num_zeros, tflops_per_gpu, sol_percent, timers, "
-                   "_topic, _partition, _offset",
-                   common + f", s / {n_steps}, 4096, "
-                   f"if(r = 17 AND s > {n_steps // 2}, 1200, 1000) + cityHash64(number, 1) % 50 AS ms, "
-                   f"4 * exp(-s / {n_steps}) + (cityHash64(number, 2) % 100) / 1000, "
-                   f"1 + (cityHash64(number, 3) % 100) / 100, 3e-4, 4096 * 1000 / ms, {n_steps * 2}, "
-                   f"1, 300, 0, 400, 40, map('forward', ms * 0.4, 'backward', ms * 0.55), "
-                   f"'trainmon.step', 0, number",
-                   step_rows, where=f"NOT (r = 5 AND s > {n_steps * 9 // 10})")
-            insert("gpu", envelope + ", id, clock, max_clock, power, power_limit, temperature, temp_slowdown, "
-                   "gpu_util, mem_util, dram_free, pcie_rx, pcie_tx, fan, throttle, energy, "
-                   "_topic, _partition, _offset",
-                   common.replace("intDiv(number, {w})".format(w=world), f"(intDiv(number, {world}) * 5)")
-                   + ", r % 8, 1755, 1980, 600000 + cityHash64(number) % 100000, 700000, "
-                   "60 + cityHash64(number, 1) % 20, 87, 95, 40, 10737418240, 1000000, 2000000, 0, "
-                   "if(cityHash64(number, 2) % 1000 = 0, 'sw_power_cap', ''), 1000000000 + number, "
-                   "'trainmon.gpu', 0, number",
-                   world * (n_steps // 5))
-            insert("allocator", envelope + ", `stats.name`, `stats.device`, `stats.managed`, `stats.pinned`, "
-                   "`stats.pageable`, allocated, peak_allocated, active, inactive, reserved, alloc_retries, "
-                   "_topic, _partition, _offset",
-                   common.replace("intDiv(number, {w})".format(w=world), f"(intDiv(number, {world}) * 10)")
-                   + ", ['weights', 'gradients', 'optimizer', 'activations'], "
-                   "[1073741824, 1073741824, 2147483648, 3221225472], [0, 0, 0, 0], [0, 0, 0, 0], "
-                   "[4096, 4096, 4096, 4096], 7516192768, 9663676416, 7516192768, 1048576, 10737418240, 0, "
-                   "'trainmon.allocator', 0, number",
-                   world * (n_steps // 10))
-            client.command(
-                "INSERT INTO trainmon.run (run_id, rank, world_size, host, time, event_id, event, status, "
-                f"name, project, config) VALUES ('{run_id}', 0, {world}, 'node-0', "
-                f"toDateTime64('{t_start}', 6, 'UTC'), '{run_id}-start', 'start', 'running', '{run_id}', "
-                "'scale', '{}')")
+    envelope = "run_id, rank, world_size, host, time, event_id, schema_version, step"
 
-    runs([BIG_RUN], ranks, steps, t0)
+    def envelope_values(run_id: str, world: int, t_start: str, every: int) -> str:
+        """The envelope of row ``number``: rank number % world, one sample per ``every``
+        steps, step i about i seconds in (jitter: cityHash of the row number)."""
+        step = f"(intDiv(number, {world}) * {every})"
+        return (f"'{run_id}', number % {world} AS r, {world}, concat('node-', toString(intDiv(r, 8))), "
+                f"toDateTime64('{t_start}', 6, 'UTC') + toIntervalMillisecond({step} * 1000 "
+                f"+ cityHash64(number) % 200), concat('{run_id}-', toString(number)), 1, {step} AS s")
+
+    def run(run_id: str, world: int, n_steps: int, t_start: str) -> None:
+        # Rank 17 is 20 % slower from the middle on; rank 5 stops at 90 %.
+        insert("step", envelope + ", epoch, step_tokens, duration_ms, loss, norm, lr, tokens_per_second, "
+               "total_steps, loss_scale, params_norm, num_zeros, tflops_per_gpu, sol_percent, timers, "
+               "_topic, _partition, _offset",
+               envelope_values(run_id, world, t_start, 1) + f", s / {n_steps}, 4096, "
+               f"if(r = 17 AND s > {n_steps // 2}, 1200, 1000) + cityHash64(number, 1) % 50 AS ms, "
+               f"4 * exp(-s / {n_steps}) + (cityHash64(number, 2) % 100) / 1000, "
+               f"1 + (cityHash64(number, 3) % 100) / 100, 3e-4, 4096 * 1000 / ms, {n_steps * 2}, "
+               "1, 300, 0, 400, 40, map('forward', ms * 0.4, 'backward', ms * 0.55), "
+               "'trainmon.step', 0, number",
+               world * n_steps, where=f"NOT (r = 5 AND s > {n_steps * 9 // 10})")
+        insert("gpu", envelope + ", id, clock, max_clock, power, power_limit, temperature, temp_slowdown, "
+               "gpu_util, mem_util, dram_free, pcie_rx, pcie_tx, fan, throttle, energy, "
+               "_topic, _partition, _offset",
+               envelope_values(run_id, world, t_start, 5)
+               + ", r % 8, 1755, 1980, 600000 + cityHash64(number) % 100000, 700000, "
+               "60 + cityHash64(number, 1) % 20, 87, 95, 40, 10737418240, 1000000, 2000000, 0, "
+               "if(cityHash64(number, 2) % 1000 = 0, 'sw_power_cap', ''), 1000000000 + number, "
+               "'trainmon.gpu', 0, number",
+               world * (n_steps // 5))
+        insert("allocator", envelope + ", `stats.name`, `stats.device`, `stats.managed`, `stats.pinned`, "
+               "`stats.pageable`, allocated, peak_allocated, active, inactive, reserved, alloc_retries, "
+               "_topic, _partition, _offset",
+               envelope_values(run_id, world, t_start, 10)
+               + ", ['weights', 'gradients', 'optimizer', 'activations'], "
+               "[1073741824, 1073741824, 2147483648, 3221225472], [0, 0, 0, 0], [0, 0, 0, 0], "
+               "[4096, 4096, 4096, 4096], 7516192768, 9663676416, 7516192768, 1048576, 10737418240, 0, "
+               "'trainmon.allocator', 0, number",
+               world * (n_steps // 10))
+        client.command(
+            "INSERT INTO trainmon.run (run_id, rank, world_size, host, time, event_id, event, status, "
+            f"name, project, config) VALUES ('{run_id}', 0, {world}, 'node-0', "
+            f"toDateTime64('{t_start}', 6, 'UTC'), '{run_id}-start', 'start', 'running', '{run_id}', "
+            "'scale', '{}')")
+
+    run(BIG_RUN, ranks, steps, t0)
     small_start = start - timedelta(days=2)
     for i in range(small_runs):
-        runs([f"small-{i:02d}"], 8, 1_000, (small_start + timedelta(minutes=20 * i)).strftime("%Y-%m-%d %H:%M:%S"))
+        run(f"small-{i:02d}", 8, 1_000, (small_start + timedelta(minutes=20 * i)).strftime("%Y-%m-%d %H:%M:%S"))
     client.command(
         "INSERT INTO trainmon.alert (run_id, rank, world_size, host, time, event_id, ranks, rule, severity, "
         "state, incident_id, step, value, threshold, message) VALUES "
