@@ -137,7 +137,8 @@ SETTINGS join_use_nulls = 1
 # stored twice counts once; on a 10-million-row run it takes about half a second.
 # run_overview is the same view over the rollups (tens of milliseconds, for dashboards):
 # equal to run_summary except that tokens and last_loss weigh a record stored twice
-# (a resend in a second Kafka message) twice -- see rollups.py.
+# (a resend in a second Kafka message) twice -- see rollups.py -- and that ranks counts
+# every rank that logged a step (run_summary: the most ranks that logged one same step).
 EXACT_STEPS = """    SELECT run_id,
            max(world_size) AS world_size,
            max(ranks_reporting) AS ranks,
