@@ -96,7 +96,7 @@ def kafka_throughput(bootstrap: str, records: list, state_dir: Path) -> float:
         if done >= len(records):
             last = now
         time.sleep(0.01)
-    service.stop.set()
+    service.shutdown.set()
     thread.join(60)
     return len(records) / (last - first)
 
@@ -161,7 +161,7 @@ def latency(bootstrap: str, state_dir: Path, injections: int, every: int, rate: 
     for p in producers:
         p.close()
     stop.set()
-    service.stop.set()
+    service.shutdown.set()
     thread.join(60)
     watcher.join(10)
     return sorted(arrivals)

@@ -63,10 +63,8 @@ def forward(name: str, root: Path, bootstrap: str, prefix: str, records: int) ->
     forwarder = Forwarder(sink, stream, ProgressStore(state), linger_ms=200)
     started = None
     while forwarder.stats.records < records:
-        messages = forwarder.poll_batch()
-        if messages:
-            started = started or time.perf_counter()
-            forwarder.handle(messages)
+        if forwarder.runtime.step() and started is None:
+            started = time.perf_counter()
     sink.close()
     elapsed = time.perf_counter() - started
     stream.close()

@@ -186,7 +186,7 @@ class BackgroundService:
         return f"stats={self.service.stats} ticks={self.service.ticks} runs={runs} error={self.error!r}"
 
     def stop(self) -> None:
-        self.service.stop.set()
+        self.service.shutdown.set()
         self._thread.join(timeout=60)
         if self.error is not None:
             raise self.error

@@ -113,10 +113,8 @@ def drain(forwarder: Forwarder, records: int, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while forwarder.stats.records < target:
         assert time.monotonic() < deadline, f"forwarded {forwarder.stats.records}, wanted {target}"
-        messages = forwarder.poll_batch()
-        if messages:
-            forwarder.handle(messages)
-    assert not forwarder.poll_batch(), "more records than were sent"
+        forwarder.runtime.step()
+    assert forwarder.runtime.step() == 0, "more records than were sent"
 
 
 def assert_series(actual: dict[str, list[tuple[int, float]]], expected: dict[str, list[tuple[int, float]]],

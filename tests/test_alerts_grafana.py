@@ -13,7 +13,8 @@ from grafana_client.client import GrafanaClientError, GrafanaServerError
 from trainmon import topics
 from trainmon.consumers.alerts import AlertEngine, load_config
 from trainmon.consumers.alerts.alert_topic import AlertPublisher
-from trainmon.consumers.alerts.grafana import (Backoff, GrafanaAnnotations, GrafanaForwarder,
+from trainmon.consumers.runtime import RetryPolicy
+from trainmon.consumers.alerts.grafana import (GrafanaAnnotations, GrafanaForwarder,
                                                annotation_tags, incident_tag)
 
 from .alerts_support import past_t0, run_until_idle, send, service_env, synthetic_run, wait_for
@@ -125,13 +126,13 @@ def forwarder(bootstrap, prefix, url, token, **config_env) -> GrafanaForwarder:
     config = load_config(env=env)
     fwd = GrafanaForwarder.from_env(config, env=env)
     fwd.topic_prefix = prefix
-    fwd.backoff = Backoff(0.05, 0.5)
+    fwd.retry = RetryPolicy(0.05, 0.5)
     return fwd
 
 
 def publish(bootstrap, prefix, alerts):
     publisher = AlertPublisher(topics.topic_for("alert", prefix), {"TRAINMON_KAFKA_BOOTSTRAP": bootstrap})
-    assert publisher.publish(alerts)
+    publisher.publish(alerts)  # raises unless Kafka has them all
     publisher.close()
 
 

@@ -70,9 +70,7 @@ def test_tensorboard_resumes_from_committed_offsets_without_duplicates(
     monkeypatch.setattr(crashing.stream, "commit_polled", lambda: (_ for _ in ()).throw(OSError("crash")))
     with pytest.raises(OSError):
         while True:
-            messages = crashing.poll_batch()
-            if messages:
-                crashing.handle(messages)
+            crashing.runtime.step()
     crashing.stream.consumer.close()
     sink.close()
 

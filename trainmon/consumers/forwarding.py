@@ -1,5 +1,6 @@
-"""The loop every forwarder (W&B, Aim, TensorBoard) runs: poll a batch, hand each run's
-new points to the sink, make them durable, record progress, then commit offsets.
+"""What every forwarder (W&B, Aim, TensorBoard) does with a batch, on the consumer runtime
+(:mod:`.runtime`): hand each run's new points to its sink, make them durable, record
+progress; the runtime then commits the offsets.
 
 Exactly what reaches a sink is decided here, so the three sinks behave the same:
 - Idempotence: records of one (run, rank, kind[, GPU]) stream share a partition and
@@ -10,8 +11,8 @@ Exactly what reaches a sink is decided here, so the three sinks behave the same:
   Kafka commit. A crash anywhere re-reads records the marks then skip or re-send.
 - Back-pressure: one batch at a time; the next poll waits until this one is flushed and
   committed, so a slow sink makes consumer lag grow in Kafka, not memory here.
-- A sink failure (disk full, a locked run) never loses data: the batch is rewound and
-  retried after a pause (marks and offsets stay where they were).
+- A sink failure (disk full, a locked run) never loses data: the runtime retries the same
+  batch with backoff (marks and offsets stay where they were).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from ..kafka_client import TopicPartition
 from ..schemas import (DatasetRecord, GpuModelRecord, Record, RunRecord)
+from . import runtime
 from .metric_names import STEP_KINDS, stream_key
 from .stream import Message, RecordStream, stop_on_signals
 
@@ -207,96 +208,97 @@ def plan(messages: list[Message], store: ProgressStore) -> tuple[dict[str, RunWo
     return works, skipped
 
 
-# -- the loop ---------------------------------------------------------------------------
+# -- the sink the runtime drives ---------------------------------------------------------
 
 @dataclass
 class ForwarderStats:
     batches: int = 0
     records: int = 0
     skipped: int = 0
-    rejected: int = 0
     retries: int = 0
     seconds_in_sink: float = 0.0
 
 
-class Forwarder:
-    def __init__(self, sink: Sink, stream: RecordStream, store: ProgressStore, *,
-                 batch_records: int = 5000, linger_ms: int = 500,
-                 idle_close_seconds: float = 600.0, retry_seconds: float = 5.0):
-        self.sink = sink
-        self.stream = stream
+class ForwardingSink(runtime.Sink):
+    """Batches records for a W&B / Aim / TensorBoard sink: a batch goes out when it holds
+    ``batch_records`` or its first record waited ``linger_ms``. A failed write is retried by
+    the runtime with the same batch (planned again against the progress, which only moves
+    once a batch is durable)."""
+
+    def __init__(self, target: Sink, store: ProgressStore, *, batch_records: int = 5000,
+                 linger_ms: int = 500, idle_close_seconds: float = 600.0):
+        self.target = target
+        self.name = f"{target.name} forwarder"
         self.store = store
         self.batch_records = batch_records
-        self.linger_ms = linger_ms
+        self.linger_s = linger_ms / 1000
         self.idle_close_seconds = idle_close_seconds
-        self.retry_seconds = retry_seconds
         self.stats = ForwarderStats()
+        self._batch: list[Message] = []
+        self._first_at = 0.0
 
-    def poll_batch(self) -> list[Message]:
-        """Up to batch_records messages, waiting at most linger_ms once the first arrived."""
-        messages = self.stream.poll(timeout_ms=self.linger_ms, max_records=self.batch_records)
-        deadline = time.monotonic() + self.linger_ms / 1000
-        while messages and len(messages) < self.batch_records:
-            left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0:
-                break
-            more = self.stream.poll(timeout_ms=left_ms, max_records=self.batch_records - len(messages))
-            if not more:
-                break
-            messages.extend(more)
-        return messages
+    def put(self, messages: list[Message]) -> None:
+        if not self._batch:
+            self._first_at = time.monotonic()
+        self._batch.extend(messages)
 
-    def handle(self, messages: list[Message]) -> None:
-        """Forward one batch and commit it; on a sink failure rewind it for a retry."""
-        works, skipped = plan(messages, self.store)
+    def flush_in_s(self) -> float | None:
+        if not self._batch:
+            return None
+        if len(self._batch) >= self.batch_records:
+            return 0.0
+        return max(0.0, self.linger_s - (time.monotonic() - self._first_at))
+
+    def room(self) -> int:
+        return self.batch_records - len(self._batch)
+
+    def tick(self) -> None:
+        self.target.close_idle(self.idle_close_seconds)
+
+    def flush(self) -> None:
+        if not self._batch:
+            return
+        works, skipped = plan(self._batch, self.store)
+        written = [work for work in works.values() if not work.empty]
         started = time.monotonic()
         try:
-            written = self._write(works)
-            self.sink.flush()
-        except Exception:
-            log.exception("trainmon: %s forwarder failed to write a batch; retrying in %.0f s",
-                          self.sink.name, self.retry_seconds)
+            for work in written:
+                self.target.write(work)
+            self.target.flush()
+        except Exception as exc:  # disk full, a locked run ...: the same batch later
             self.stats.retries += 1
-            self._rewind(messages)
-            time.sleep(self.retry_seconds)
-            return
+            log.exception("trainmon: %s failed to write a batch", self.name)
+            raise runtime.RetriableError(f"{type(exc).__name__}: {exc}") from exc
         finally:
             self.stats.seconds_in_sink += time.monotonic() - started
         for work in written:
             self.store.save(work.progress)
-        self.stream.commit_polled()
         self.stats.batches += 1
-        self.stats.records += len(messages)
+        self.stats.records += len(self._batch)
         self.stats.skipped += skipped
+        self._batch = []
 
-    def _write(self, works: dict[str, RunWork]) -> list[RunWork]:
-        written = [work for work in works.values() if not work.empty]
-        for work in written:
-            self.sink.write(work)
-        return written
+    def stop(self) -> None:
+        self.target.close()
 
-    def _rewind(self, messages: list[Message]) -> None:
-        first: dict[TopicPartition, int] = {}
-        for m in messages:
-            tp = TopicPartition(m.topic, m.partition)
-            first[tp] = min(first.get(tp, m.offset), m.offset)
-        for tp, offset in first.items():
-            self.stream.consumer.seek(tp, offset)
 
-    def run(self, stop: threading.Event | None = None, exit_when_idle: float | None = None) -> ForwarderStats:
-        """Forward until ``stop`` is set (or, with exit_when_idle, no record came for that long)."""
-        stop = stop or threading.Event()
-        last_record = time.monotonic()
-        while not stop.is_set():
-            messages = self.poll_batch()
-            if messages or not self.stream.consumer.assignment():
-                # Idle time counts from joining the group, not from before it.
-                if messages:
-                    self.handle(messages)
-                last_record = time.monotonic()
-            elif exit_when_idle is not None and time.monotonic() - last_record >= exit_when_idle:
-                break
-            self.sink.close_idle(self.idle_close_seconds)
+class Forwarder:
+    """A forwarding sink on the consumer runtime, over a stream of FORWARDED_KINDS."""
+
+    def __init__(self, sink: Sink, stream: RecordStream, store: ProgressStore, *,
+                 stop: threading.Event | None = None, **batching):
+        self.sink = ForwardingSink(sink, store, **batching)
+        self.stream = stream
+        self.runtime = runtime.SinkRuntime(self.sink, stream, stop=stop)
+
+    @property
+    def stats(self) -> ForwarderStats:
+        return self.sink.stats
+
+    def run(self, exit_when_idle: float | None = None) -> ForwarderStats:
+        """Forward until stopped (or, with exit_when_idle, no record came for that long);
+        closes the sink and the stream."""
+        self.runtime.run(runtime.idle_for(exit_when_idle) if exit_when_idle is not None else None)
         return self.stats
 
 
@@ -326,15 +328,11 @@ def serve(args: argparse.Namespace, make_sink: Callable[[], tuple[Sink, Path]]) 
     except MissingDependency as exc:
         print(exc, file=sys.stderr)
         return 2
-    stop = stop_on_signals()
     stream = RecordStream(args.group, FORWARDED_KINDS, topic_prefix=args.topic_prefix)
-    forwarder = Forwarder(sink, stream, ProgressStore(state_dir), batch_records=args.batch_records,
-                          linger_ms=args.linger_ms, idle_close_seconds=args.idle_close_seconds)
+    forwarder = Forwarder(sink, stream, ProgressStore(state_dir), stop=stop_on_signals(),
+                          batch_records=args.batch_records, linger_ms=args.linger_ms,
+                          idle_close_seconds=args.idle_close_seconds)
     log.info("trainmon: forwarding to %s (group %s)", sink.name, args.group)
-    try:
-        stats = forwarder.run(stop, exit_when_idle=args.exit_when_idle)
-    finally:
-        sink.close()
-        stream.close()
+    stats = forwarder.run(exit_when_idle=args.exit_when_idle)
     log.info("trainmon: %s forwarder stopped: %s", sink.name, stats)
     return 0

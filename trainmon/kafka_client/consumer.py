@@ -94,6 +94,10 @@ class Consumer:
         self._consumer.subscribe(self._topics, on_assign=self._assigned, on_revoke=self._revoked,
                                  on_lost=self._revoked)
 
+    def listen(self, on_assign: Callback | None, on_revoke: Callback | None) -> None:
+        """Replace the rebalance callbacks (before the first poll: none has run yet)."""
+        self._on_assign, self._on_revoke = on_assign, on_revoke
+
     def _recover(self) -> None:
         """A fatal error leaves librdkafka's consumer unusable for good (seen: a static
         member fenced by its own earlier session after a broker restart): a new client

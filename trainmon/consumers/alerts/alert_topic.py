@@ -7,11 +7,11 @@ land on one partition, in order, for every reader (ClickHouse, the Grafana forwa
 from __future__ import annotations
 
 import logging
-import threading
 import time
 
 from ...kafka_client import Consumer, Producer, TopicPartition
 from ...schemas import AlertRecord, DecodeError, decode, encode, unpack
+from ..runtime import RetriableError
 
 log = logging.getLogger("trainmon.alerts")
 
@@ -23,37 +23,32 @@ class AlertPublisher:
         self.topic = topic
         self.published: set[str] = set()
         self.sent = 0
+        self._inflight: dict[str, tuple[AlertRecord, object]] = {}  # event id -> (alert, delivery)
         self._producer = Producer(env=env, durable=True)
 
-    def publish(self, alerts: list[AlertRecord], stop: threading.Event | None = None) -> bool:
-        """Send and wait until Kafka has them all. A send that failed is sent again after a
-        backoff; one still in flight is waited for, never sent twice. False only if
-        ``stop`` was set before everything was delivered."""
-        stop = stop or threading.Event()
-        inflight = [(a, self._send(a)) for a in alerts if a.event_id not in self.published]
-        backoff = 0.5
-        while inflight:
-            self._producer.flush(5)
-            waiting, failed = [], []
-            for alert, delivery in inflight:
-                if delivery.failed:
-                    failed.append(alert)
-                elif delivery.done:
-                    self.published.add(alert.event_id)
-                    self.sent += 1
-                else:
-                    waiting.append((alert, delivery))
-            if failed:
-                log.warning("trainmon alerts: %d alert(s) not accepted by %s; sending again in %.1f s",
-                            len(failed), self.topic, backoff)
-                if stop.wait(backoff):
-                    return False
-                backoff = min(backoff * 2, 10.0)
-                waiting.extend((alert, self._send(alert)) for alert in failed)
-            elif waiting and stop.is_set():
-                return False
-            inflight = waiting
-        return True
+    def publish(self, alerts: list[AlertRecord]) -> None:
+        """Send the alerts not on the topic yet and wait (up to 5 s) until Kafka has them.
+        Raises RetriableError when it has not confirmed them all: the same call later sends
+        again those Kafka refused and waits again for those still in flight, never sending
+        one twice. (The caller retries with the consumer runtime's policy.)"""
+        for alert in alerts:
+            if alert.event_id not in self.published and alert.event_id not in self._inflight:
+                self._inflight[alert.event_id] = (alert, self._send(alert))
+        if not self._inflight:
+            return
+        self._producer.flush(5)
+        refused = 0
+        for event_id, (alert, delivery) in list(self._inflight.items()):
+            if delivery.failed:
+                refused += 1
+                del self._inflight[event_id]  # sent again by the next call
+            elif delivery.done:
+                del self._inflight[event_id]
+                self.published.add(event_id)
+                self.sent += 1
+        if refused or self._inflight:
+            raise RetriableError(f"{refused} alert(s) refused by {self.topic}, {len(self._inflight)} "
+                                 f"not acknowledged yet")
 
     def _send(self, alert: AlertRecord):
         return self._producer.send(self.topic, encode(alert), key=alert.incident_id.encode())

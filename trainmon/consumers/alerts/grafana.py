@@ -4,9 +4,10 @@ A firing alert becomes an annotation tagged ``trainmon``, ``rule:<rule>``,
 ``severity:<severity>``, ``run_id:<run>`` and ``incident:<hash>``; its resolved alert turns
 that annotation into a region (``timeEnd``). The incident tag makes both steps idempotent:
 before creating, the sink looks the annotation up, so a retry or a restart never adds a
-second one. The forwarder is its own consumer group over the alert topic and commits an
-alert only once Grafana has it; while Grafana is down, slow or refusing the token it
-retries with backoff and the engine, in its own thread or process, is not held up.
+second one. The forwarder is its own consumer group over the alert topic, on the consumer
+runtime, which commits an alert only once Grafana has it; while Grafana is down, slow or
+refusing the token it retries with backoff and the engine, in its own thread or process,
+is not held up.
 """
 
 from __future__ import annotations
@@ -14,9 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import random
 import threading
-import time
 from urllib.parse import urlparse
 
 import niquests
@@ -24,7 +23,8 @@ from grafana_client import GrafanaApi
 from grafana_client.client import GrafanaClientError, GrafanaException, TokenAuth
 
 from ...schemas import AlertRecord
-from ..stream import RecordStream
+from .. import runtime
+from ..stream import Message, RecordStream
 from .config import AlertsConfig
 
 log = logging.getLogger("trainmon.alerts.grafana")
@@ -99,37 +99,71 @@ def _text(alert: AlertRecord) -> str:
     return f"{prefix}{alert.message}"
 
 
-class Backoff:
-    def __init__(self, first: float = 0.5, cap: float = 30.0):
-        self.first, self.cap = first, cap
-        self.delay = first
+class GrafanaSink(runtime.Sink):
+    """Alerts to annotations, in order. A Grafana that cannot take one now (down, slow, a
+    token refused) holds the rest back: the runtime retries with backoff and commits an
+    alert only once Grafana has it. One Grafana rejects for good is dead-lettered."""
 
-    def next(self) -> float:
-        delay = self.delay
-        self.delay = min(self.cap, self.delay * 2)
-        return delay * random.uniform(0.8, 1.2)
+    name = "grafana forwarder"
 
-    def reset(self) -> None:
-        self.delay = self.first
-
-
-class GrafanaForwarder:
-    """Alert topic -> Grafana, in order, at least once (and idempotent on Grafana's side)."""
-
-    def __init__(self, sink: GrafanaAnnotations, config: AlertsConfig, *, topic_prefix: str | None = None,
-                 env: dict | None = None, stop: threading.Event | None = None,
-                 backoff: Backoff | None = None):
-        self.sink = sink
-        self.config = config
-        self.topic_prefix = topic_prefix
-        self.env = env
-        self.stop = stop or threading.Event()
-        self.backoff = backoff or Backoff()
+    def __init__(self, annotations: GrafanaAnnotations):
+        self.annotations = annotations
         self.delivered = 0
         self.failures = 0
         self.dead_lettered = 0
         self.last_error: str | None = None
-        self.idle_since = time.monotonic()  # the last alert received or delivered, or joining
+        self._pending: list[Message] = []
+
+    def put(self, messages: list[Message]) -> None:
+        self._pending.extend(messages)
+
+    def flush_in_s(self) -> float | None:
+        return 0.0 if self._pending else None
+
+    def flush(self) -> None:
+        while self._pending:
+            message = self._pending[0]
+            alert = message.record
+            try:
+                self.annotations.send(alert)
+                self.delivered += 1
+            except PermanentError as exc:
+                self.dead_lettered += 1
+                log.error("trainmon alerts: %s; dead-lettered", exc)
+                self.context.dead_letter(message, str(exc))
+            except (GrafanaException, niquests.exceptions.RequestException, OSError, ValueError) as exc:
+                self.failures += 1
+                self.last_error = _describe(exc)
+                if _is_auth(exc):  # an operator has to act: say it louder than a retry
+                    log.error("trainmon alerts: Grafana refused alert %s: %s", alert.event_id, self.last_error)
+                raise runtime.RetriableError(f"Grafana did not take alert {alert.event_id} "
+                                             f"({self.last_error})") from exc
+            self._pending.pop(0)
+
+
+class GrafanaForwarder:
+    """Alert topic -> Grafana, on the consumer runtime: at least once, idempotent on
+    Grafana's side."""
+
+    def __init__(self, annotations: GrafanaAnnotations, config: AlertsConfig, *,
+                 topic_prefix: str | None = None, env: dict | None = None,
+                 stop: threading.Event | None = None, retry: runtime.RetryPolicy | None = None):
+        self.sink = GrafanaSink(annotations)
+        self.config = config
+        self.topic_prefix = topic_prefix
+        self.env = env
+        self.stop = stop or threading.Event()
+        self.retry = retry or runtime.RetryPolicy()
+        self.runtime: runtime.SinkRuntime | None = None
+
+    delivered = property(lambda self: self.sink.delivered)
+    failures = property(lambda self: self.sink.failures)
+    dead_lettered = property(lambda self: self.sink.dead_lettered)
+    last_error = property(lambda self: self.sink.last_error)
+
+    def idle_s(self) -> float:
+        """Seconds since an alert last came (or the forwarder joined its group)."""
+        return self.runtime.idle_s() if self.runtime is not None else 0.0
 
     @classmethod
     def from_env(cls, config: AlertsConfig, *, env: dict | None = None, **kw) -> "GrafanaForwarder":
@@ -141,53 +175,15 @@ class GrafanaForwarder:
         if not token and not urlparse(url).password:
             raise SystemExit("trainmon consume alerts: GRAFANA_TOKEN is not set (a Grafana service "
                              "account token with annotations:write), nor user:password in GRAFANA_URL")
-        sink = GrafanaAnnotations(url, token, dashboard_uid=config.grafana_dashboard_uid,
-                                  timeout_s=config.grafana_timeout_s)
-        return cls(sink, config, env=env, **kw)
+        annotations = GrafanaAnnotations(url, token, dashboard_uid=config.grafana_dashboard_uid,
+                                         timeout_s=config.grafana_timeout_s)
+        return cls(annotations, config, env=env, **kw)
 
     def run(self, exit_when_idle_s: float | None = None) -> None:
         stream = RecordStream(self.config.grafana_group_id, ["alert"], topic_prefix=self.topic_prefix,
                               env=self.env)
-        self.idle_since = time.monotonic()
-        try:
-            while not self.stop.is_set():
-                messages = stream.poll(timeout_ms=500)
-                if messages or not stream.consumer.assignment():
-                    self.idle_since = time.monotonic()  # idle time counts from joining the group
-                elif exit_when_idle_s is not None and time.monotonic() - self.idle_since >= exit_when_idle_s:
-                    return
-                for m in messages:
-                    if not self._deliver(stream, m):
-                        return  # stopping: this alert and the rest stay uncommitted
-                    stream.commit([m])
-                    self.idle_since = time.monotonic()
-                if not messages:
-                    stream.commit_polled()  # dead letters of undecodable messages
-        finally:
-            stream.close()
-
-    def _deliver(self, stream: RecordStream, message) -> bool:
-        alert = message.record
-        while not self.stop.is_set():
-            try:
-                self.sink.send(alert)
-                self.delivered += 1
-                self.backoff.reset()
-                return True
-            except PermanentError as exc:
-                self.dead_lettered += 1
-                log.error("trainmon alerts: %s; dead-lettered", exc)
-                stream.dead_letter(message, str(exc))
-                return True
-            except (GrafanaException, niquests.exceptions.RequestException, OSError, ValueError) as exc:
-                self.failures += 1
-                self.last_error = _describe(exc)
-                delay = self.backoff.next()
-                (log.error if _is_auth(exc) else log.warning)(
-                    "trainmon alerts: Grafana did not take alert %s (%s); retrying in %.1f s",
-                    alert.event_id, self.last_error, delay)
-                self.stop.wait(delay)
-        return False
+        self.runtime = runtime.SinkRuntime(self.sink, stream, stop=self.stop, retry=self.retry)
+        self.runtime.run(runtime.idle_for(exit_when_idle_s) if exit_when_idle_s is not None else None)
 
 
 def _is_auth(exc: Exception) -> bool:

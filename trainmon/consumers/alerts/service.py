@@ -1,7 +1,9 @@
-"""``trainmon consume alerts``: the rules engine as a Kafka consumer, plus the Grafana forwarder.
+"""``trainmon consume alerts``: the rules engine as a sink on the consumer runtime, plus the
+Grafana forwarder.
 
-Per poll: records -> engine -> alerts published and flushed -> input offsets committed.
-Every ``checkpoint_interval_s`` the engine state is written with the offsets it matches.
+Per poll: records -> engine -> alerts published and flushed -> input offsets committed (by
+the runtime). Every ``checkpoint_interval_s`` the engine state is written with the offsets
+it matches, after the alerts it led to are on the alert topic.
 On start the state comes back from that checkpoint; incidents published after it are
 read back from the alert topic, and records between the checkpoint and the committed
 offsets are replayed as warm-up (windows update, nothing fires twice). Without a
@@ -27,8 +29,10 @@ from pathlib import Path
 import yaml
 
 from ... import topics
+from ...schemas import AlertRecord
 from ...kafka_client import TopicPartition
-from ..stream import RecordStream, stop_on_signals
+from .. import runtime
+from ..stream import Message, RecordStream, stop_on_signals
 from . import checkpoint
 from .alert_topic import AlertLog, AlertPublisher
 from .config import AlertsConfig, ConfigError, load_config
@@ -38,7 +42,14 @@ from .ownership import Ownership
 log = logging.getLogger("trainmon.alerts")
 
 
-class AlertService:
+class AlertService(runtime.Sink):
+    """The rules engine as a sink on the consumer runtime: ``put`` judges records, ``tick``
+    judges silences once every partition is read to its end, ``flush`` publishes the
+    alerts (the runtime commits the records behind them only then) and checkpoints."""
+
+    name = "alerts engine"
+    poll_s = 0.2  # how often silences are judged while nothing arrives
+
     def __init__(self, config: AlertsConfig, *, topic_prefix: str | None = None, env: dict | None = None):
         self.config = config
         self.prefix = topics.prefix() if topic_prefix is None else topic_prefix
@@ -46,14 +57,17 @@ class AlertService:
         self.alert_topic = topics.topic_for("alert", self.prefix)
         self.path: Path | None = None  # the checkpoint, per group member: known once it joined
         self.engine = AlertEngine(config)
-        self.stop = threading.Event()
+        self.shutdown = threading.Event()  # set: finish the batch in hand, checkpoint, return
         self.stats = {"records": 0, "alerts": 0, "warmup": 0, "errors": 0}
         self.ticks = 0
+        self.caught_up = False
         self.ownership = Ownership()
         self._alerts_read: dict[int, int] = {}  # alert topic partition -> how far the book has read
         self._said_uneven: tuple | None = None
         self._publisher: AlertPublisher | None = None
         self._alert_log: AlertLog | None = None
+        self._unpublished: list[AlertRecord] = []
+        self._checkpoint_at = 0.0
 
     # -- start-up ----------------------------------------------------------------------
 
@@ -85,23 +99,71 @@ class AlertService:
             self.engine.book.apply(alert)
             self._publisher.published.add(alert.event_id)
 
-    def _on_assign(self, stream: RecordStream, partitions: list[TopicPartition]) -> None:
-        """A new assignment (runs inside poll, so the broker can be asked here). The runs of
-        partitions this engine lost go; the incidents other engines published come in, so
-        that one still open here is not fired again; partitions it gained are rewound by
-        ``rebuild_records`` and, like the records between a checkpoint and the committed
-        offsets, replayed as warm-up."""
-        consumer = stream.consumer
-        self._say_uneven_partitions(consumer, stream.topic_names)
+    # -- the sink contract ---------------------------------------------------------------
+
+    def open(self, partitions: list[TopicPartition]) -> None:
+        """A new assignment. The runs of partitions this engine lost go; the incidents other
+        engines published come in, so that one still open here is not fired again;
+        partitions it gained are rewound by ``rebuild_records`` and, like the records
+        between a checkpoint and the committed offsets, replayed as warm-up."""
+        consumer = self.context.consumer
+        self._say_uneven_partitions(consumer, self.context.stream.topic_names)
         self.engine.release_runs(self.ownership.assign(partitions))
         self._read_alerts()
         committed = consumer.committed(partitions) if partitions else {}
         for tp in partitions:
             start = self.ownership.start(tp, committed.get(tp), self.config.rebuild_records)
             if start is not None:
-                consumer.seek(tp, start)
+                self.context.seek(tp, start)
         log.info("trainmon alerts: assigned %d partition(s) (numbers %s), judging %d run(s)",
                  len(partitions), sorted({tp.partition for tp in partitions}), len(self.engine.runs))
+
+    def close(self, partitions: list[TopicPartition]) -> None:
+        self.ownership.revoke(partitions)
+
+    def put(self, messages: list[Message]) -> None:
+        engine, ownership = self.engine, self.ownership
+        received = time.time()
+        for m in messages:
+            warm = ownership.saw(m.topic, m.partition, m.offset, m.record.run_id)
+            engine.warming_up = warm
+            try:
+                self._unpublished.extend(engine.process(m.record, received))
+            except Exception as exc:  # a record the rules trip over must not stop the service
+                self.stats["errors"] += 1
+                log.exception("trainmon alerts: engine failed on %s[%d]@%d", m.topic, m.partition, m.offset)
+                self.context.dead_letter(m, f"alert engine failed on this record: {exc!r}")
+            self.stats["warmup" if warm else "records"] += 1
+        engine.warming_up = False
+        self._put = True
+
+    def tick(self) -> None:
+        self.caught_up = self._caught_up()
+        if self.caught_up:
+            self.ticks += 1
+            self._unpublished.extend(self.engine.tick(time.time()))
+
+    _put = False  # records put since the last flush
+
+    def flush_in_s(self) -> float | None:
+        # A checkpoint falling due counts as something to flush; a poll waits poll_s at most.
+        if self._put or self._unpublished or time.monotonic() >= self._checkpoint_at:
+            return 0.0
+        return None
+
+    def flush(self) -> None:
+        """Alerts published (retried by the runtime until Kafka has them all), then, every
+        checkpoint_interval_s, the engine state: never a state ahead of its alerts."""
+        if self._unpublished:
+            self._publisher.publish(self._unpublished)
+            self.stats["alerts"] += len(self._unpublished)
+            self._unpublished = []
+        self._put = False
+        if time.monotonic() >= self._checkpoint_at:
+            self._checkpoint()
+
+    def stop(self) -> None:
+        self._checkpoint()
 
     def _say_uneven_partitions(self, consumer, topic_names: list[str]) -> None:
         """Records of one run reach one engine only while every record topic has the same
@@ -115,82 +177,42 @@ class AlertService:
                       "same count (kafka-topics --alter --partitions).",
                       ", ".join(f"{t} {n}" for t, n in sorted(counts.items())), self.config.group_id)
 
-    # -- the loop ------------------------------------------------------------------------
+    # -- running -------------------------------------------------------------------------
 
     def run(self, exit_when_idle_s: float | None = None) -> None:
         self._publisher = AlertPublisher(self.alert_topic, self.env)
         self._alert_log = AlertLog(self.alert_topic, self.env)
-        stream = None
         session_ms = int(self.config.session_timeout_s * 1000)
         try:
             stream = RecordStream(self.config.group_id, INPUT_KINDS, topic_prefix=self.prefix, env=self.env,
-                                  on_assign=lambda parts: self._on_assign(stream, parts),
-                                  on_revoke=lambda parts: self.ownership.revoke(parts),
                                   **{"session.timeout.ms": session_ms,
                                      "heartbeat.interval.ms": min(3000, session_ms // 3)})
+            sink_runtime = runtime.SinkRuntime(self, stream, stop=self.shutdown)
             # Joined (its static instance id claimed) but not assigned before the first poll.
             self.path = checkpoint.checkpoint_path(self.config.state_dir, self.config.group_id,
                                                    self.prefix, stream.instance_id)
-            self._restore()
-            self._loop(stream, exit_when_idle_s)
+            self._checkpoint_at = time.monotonic() + self.config.checkpoint_interval_s
+            try:
+                self._restore()
+            except BaseException:
+                sink_runtime.close()
+                raise
+            until = None
+            if exit_when_idle_s is not None:
+                until = lambda rt: self.caught_up and rt.idle_s() >= exit_when_idle_s  # noqa: E731
+            sink_runtime.run(until)
         finally:
-            if stream is not None:
-                stream.close()
             self._publisher.close()
             self._alert_log.close()
 
-    def _loop(self, stream: RecordStream, exit_when_idle_s: float | None) -> None:
-        engine, publisher, ownership = self.engine, self._publisher, self.ownership
-        last_checkpoint = time.monotonic()
-        last_record = time.monotonic()
-        while not self.stop.is_set():
-            messages = stream.poll(timeout_ms=200)
-            alerts = []
-            received = time.time()
-            for m in messages:
-                warm = ownership.saw(m.topic, m.partition, m.offset, m.record.run_id)
-                engine.warming_up = warm
-                try:
-                    alerts.extend(engine.process(m.record, received))
-                except Exception as exc:  # a record the rules trip over must not stop the service
-                    self.stats["errors"] += 1
-                    log.exception("trainmon alerts: engine failed on %s[%d]@%d", m.topic, m.partition, m.offset)
-                    stream.dead_letter(m, f"alert engine failed on this record: {exc!r}")
-                self.stats["warmup" if warm else "records"] += 1
-            engine.warming_up = False
-            caught_up = self._caught_up(stream)
-            if caught_up:
-                self.ticks += 1
-                alerts.extend(engine.tick(time.time()))
-            if alerts and not publisher.publish(alerts, self.stop):
-                return  # stopping with alerts undelivered: their records stay uncommitted
-            self.stats["alerts"] += len(alerts)
-            if messages:
-                stream.commit_polled()
-                last_record = time.monotonic()
-            if time.monotonic() - last_checkpoint >= self.config.checkpoint_interval_s:
-                self._checkpoint()
-                last_checkpoint = time.monotonic()
-            if exit_when_idle_s is not None and caught_up and not messages \
-                    and time.monotonic() - last_record >= exit_when_idle_s:
-                break
-        self._checkpoint()
-
-    def _caught_up(self, stream: RecordStream) -> bool:
+    def _caught_up(self) -> bool:
         """Every assigned partition read to its end: only then can a rank's silence be
         told apart from a partition we have simply not read yet."""
-        consumer = stream.consumer
-        assigned = consumer.assignment()
-        if not assigned:
-            return False
-        for topic in stream.topic_names:
+        consumer = self.context.consumer
+        for topic in self.context.stream.topic_names:
             if not self.ownership.holds_all_of(topic, consumer.partitions_for(topic)):
                 return False  # a topic whose partitions the group has not handed out yet
-        highs = {tp: consumer.watermarks(tp, cached=True)[1] for tp in assigned}  # as of the last fetch
-        if any(high < 0 for high in highs.values()):
-            return False
-        positions = consumer.positions(assigned)
-        return all(positions[tp] >= high for tp, high in highs.items())
+        return self.context.read_to_end()
 
     def _checkpoint(self) -> None:
         # The book first catches up with the alert topic, so the alert offsets saved are
@@ -202,6 +224,7 @@ class AlertService:
         checkpoint.save(self.path, checkpoint.Checkpoint(
             engine=engine.dump(), offsets=self.ownership.checkpoint_offsets(),
             alert_offsets=self._alerts_read, run_partitions=self.ownership.run_partition))
+        self._checkpoint_at = time.monotonic() + self.config.checkpoint_interval_s
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -248,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         thread = threading.Thread(target=forwarder.run, name="trainmon-grafana", daemon=True)
         thread.start()
     service = AlertService(config)
-    service.stop = stop
+    service.shutdown = stop
     service.run(exit_when_idle_s=args.exit_when_idle)
     log.info("trainmon alerts: stopped after %d records (%d replayed as warm-up), %d alerts, "
              "%d engine errors", service.stats["records"], service.stats["warmup"],
@@ -258,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             # Forward the engine's last alerts: stop once the forwarder has been idle as long.
             deadline = time.monotonic() + max(30.0, 3 * args.exit_when_idle)
             while thread.is_alive() and time.monotonic() < deadline and \
-                    time.monotonic() - forwarder.idle_since < args.exit_when_idle:
+                    forwarder.idle_s() < args.exit_when_idle:
                 time.sleep(0.2)
         stop.set()
         thread.join(timeout=15)

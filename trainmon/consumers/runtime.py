@@ -1,0 +1,276 @@
+"""The consumer runtime: one loop for every trainmon consumer, after Kafka Connect's sink contract.
+
+A sink -- the ClickHouse loader, the alerts engine, the Grafana forwarder, the W&B / Aim /
+TensorBoard forwarders -- says only what it does with records:
+
+    open(partitions)    partitions given to it; it may ``context.seek`` where each starts
+    put(messages)       decoded records, in offset order per partition
+    flush()             make everything put so far durable (raise RetriableError if it can't yet)
+    close(partitions)   partitions taken away: write what it holds of them, forget them
+    stop()              the runtime is done with it
+
+and when its batch is due (``flush_in_s``). The runtime owns everything else, the same
+way for all of them:
+
+- polling, on one thread; rebalance callbacks run inside the poll, so ``open`` / ``close``
+  never race ``put`` / ``flush``; records polled for a partition since taken away are dropped;
+- commits: the offsets of everything put, right after ``flush`` returned, never before
+  (a commit Kafka refuses, e.g. during a rebalance, is tried again a little later);
+- dead letters: records that do not decode (RecordStream) and those a sink refuses
+  (``context.dead_letter``) go to the dead-letter topic, durably before their offsets commit;
+- one retry policy (:class:`RetryPolicy`, tenacity): a RetriableError from ``put`` or
+  ``flush`` is retried with exponential backoff and jitter, for as long as it takes while
+  running and ``STOPPING_ATTEMPTS`` times once stopping;
+- SIGTERM / SIGINT (``stop_on_signals``): the batch in hand is flushed and committed, then
+  the runtime returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import tenacity
+
+from ..kafka_client import KafkaError, TopicPartition
+from .stream import Message, RecordStream
+
+log = logging.getLogger("trainmon.consumers")
+
+STOPPING_ATTEMPTS = 3  # tries of a flush once stopping: a stop must not wait on an outage
+COMMIT_RETRY_S = 5.0  # commits retried at once keep interrupting the group join they wait for
+
+
+class RetriableError(Exception):
+    """The sink cannot do it now but the same call later can (a server away, a timeout)."""
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """Exponential backoff with jitter, from ``first_s`` up to ``max_s`` between tries."""
+
+    first_s: float = 0.5
+    max_s: float = 30.0
+
+    def retrying(self, stop: threading.Event, what: str, attempts: int | None = None) -> tenacity.Retrying:
+        """A tenacity Retrying that retries RetriableError only: ``attempts`` times, or
+        unbounded until ``stop`` is set and then STOPPING_ATTEMPTS times. Waits wake at
+        once when ``stop`` is set."""
+
+        def give_up(state: tenacity.RetryCallState) -> bool:
+            limit = attempts or (STOPPING_ATTEMPTS if stop.is_set() else None)
+            return limit is not None and state.attempt_number >= limit
+
+        def say(state: tenacity.RetryCallState) -> None:
+            log.warning("%s failed (attempt %d), retrying in %.1f s: %s", what, state.attempt_number,
+                        state.next_action.sleep, state.outcome.exception())
+
+        return tenacity.Retrying(
+            retry=tenacity.retry_if_exception_type(RetriableError),
+            wait=tenacity.wait_exponential(multiplier=self.first_s, max=self.max_s)
+            + tenacity.wait_random(0, self.first_s),
+            stop=give_up, sleep=stop.wait, before_sleep=say, reraise=True)
+
+
+class Sink:
+    """What a consumer does with records; see the module docstring. Override what applies."""
+
+    name = "sink"
+    poll_s = 0.5  # the longest a poll waits: how often ``tick`` runs while nothing arrives
+    context: "SinkContext"
+
+    def start(self, context: "SinkContext") -> None:
+        self.context = context
+
+    def open(self, partitions: list[TopicPartition]) -> None:
+        pass
+
+    def put(self, messages: list[Message]) -> None:
+        raise NotImplementedError
+
+    def flush_in_s(self) -> float | None:
+        """Seconds until a flush is due (0: now); None when there is nothing to flush."""
+        return None
+
+    def room(self) -> int:
+        """How many more records to take before the next flush."""
+        return RecordStream.MAX_RECORDS
+
+    def tick(self) -> None:
+        """Time-driven work, after every poll (close idle handles, judge silences)."""
+
+    def flush(self) -> None:
+        pass
+
+    def close(self, partitions: list[TopicPartition]) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+
+class SinkContext:
+    """What a sink may ask of the runtime (Kafka Connect's SinkTaskContext)."""
+
+    def __init__(self, runtime: "SinkRuntime"):
+        self._runtime = runtime
+        self.stream = runtime.stream
+        self.consumer = runtime.stream.consumer
+
+    @property
+    def stopping(self) -> bool:
+        return self._runtime.stop.is_set()
+
+    def seek(self, tp: TopicPartition, offset: int) -> None:
+        self.consumer.seek(tp, offset)
+
+    def dead_letter(self, message: Message, reason: str) -> None:
+        self.stream.dead_letter(message, reason)
+
+    def retrying(self, what: str, attempts: int | None = None) -> tenacity.Retrying:
+        """The runtime's retry policy, for a sink's own bounded retries (e.g. in ``close``)."""
+        return self._runtime.retry.retrying(self._runtime.stop, what, attempts)
+
+    def read_to_end(self) -> bool:
+        """Every assigned partition read up to its end as of the last fetch (no broker call)."""
+        consumer = self.consumer
+        assigned = consumer.assignment()
+        if not assigned:
+            return False
+        highs = {tp: consumer.watermarks(tp, cached=True)[1] for tp in assigned}
+        if any(high < 0 for high in highs.values()):
+            return False
+        positions = consumer.positions(assigned)
+        return all(positions[tp] >= high for tp, high in highs.items())
+
+
+class SinkRuntime:
+    def __init__(self, sink: Sink, stream: RecordStream, *, stop: threading.Event | None = None,
+                 retry: RetryPolicy | None = None):
+        self.sink = sink
+        self.stream = stream
+        self.stop = stop or threading.Event()
+        self.retry = retry or RetryPolicy()
+        self.records = 0  # records put
+        self.flushes = 0
+        self._owned: set[TopicPartition] = set()
+        self._put_since_commit = False
+        self._dead_letters_committed = 0
+        self._next_commit_at = 0.0
+        self._active_at = time.monotonic()  # the last record put, or joining the group
+        self.closed = False
+        stream.consumer.listen(self._assigned, self._revoked)
+        sink.start(SinkContext(self))
+
+    # -- rebalances (inside poll, on this thread) ----------------------------------------
+
+    def _assigned(self, partitions: list[TopicPartition]) -> None:
+        self._owned.update(partitions)
+        self._active_at = time.monotonic()
+        self.sink.open(partitions)
+
+    def _revoked(self, partitions: list[TopicPartition]) -> None:
+        self._owned.difference_update(partitions)
+        self.sink.close(partitions)
+
+    # -- the loop ----------------------------------------------------------------------
+
+    def step(self) -> int:
+        """One poll: put what came, run the sink's tick, flush and commit if due.
+        Returns the number of records put."""
+        sink = self.sink
+        due = sink.flush_in_s()
+        wait = sink.poll_s if due is None else min(sink.poll_s, due)
+        messages = self.stream.poll(timeout_ms=int(wait * 1000), max_records=max(1, sink.room()))
+        owned = self._owned
+        if messages and any((m.topic, m.partition) not in owned for m in messages):
+            messages = [m for m in messages if (m.topic, m.partition) in owned]
+        if messages:
+            self._call(sink.put, messages, what=f"{sink.name}: put")
+            self.records += len(messages)
+            self._put_since_commit = True
+            self._active_at = time.monotonic()
+        elif not owned:
+            self._active_at = time.monotonic()  # idle time counts from joining the group
+        sink.tick()
+        due = sink.flush_in_s()
+        if due is not None and due <= 0:
+            self.flush_and_commit()
+        elif due is None and self._commit_due() and time.monotonic() >= self._next_commit_at:
+            self._commit()  # dead letters alone, or a commit Kafka refused earlier
+        return len(messages)
+
+    def flush_and_commit(self, final: bool = False) -> None:
+        self._call(self.sink.flush, what=f"{self.sink.name}: flush")
+        self.flushes += 1
+        if self._commit_due() and (final or time.monotonic() >= self._next_commit_at):
+            self._commit()
+
+    def run(self, until: Callable[["SinkRuntime"], bool] | None = None) -> None:
+        """Run until ``stop`` is set or ``until(self)`` holds with nothing left to flush;
+        then flush, commit, stop the sink and close the stream."""
+        try:
+            while not self.stop.is_set():
+                self.step()
+                if until is not None and self.sink.flush_in_s() is None and until(self):
+                    break
+            self.flush_and_commit(final=True)
+            self.sink.stop()
+        except RetriableError as exc:  # only once stopping: retries are unbounded before
+            log.warning("%s: stopped with a batch not written (%s); its records are not committed "
+                        "and are read again at the next start", self.sink.name, exc)
+        finally:
+            self.close()
+
+    def idle_s(self) -> float:
+        """Seconds since a record was last put (or the group last gave partitions)."""
+        return time.monotonic() - self._active_at
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.stream.close()
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _call(self, fn: Callable, *args, what: str):
+        return self.retry.retrying(self.stop, what)(fn, *args)
+
+    def _commit_due(self) -> bool:
+        return self._put_since_commit or self.stream.dead_letters > self._dead_letters_committed
+
+    def _commit(self) -> None:
+        dead_letters = self.stream.dead_letters
+        try:
+            self.stream.commit_polled()
+        except KafkaError as exc:  # e.g. a rebalance under way: the next flush commits
+            self._next_commit_at = time.monotonic() + COMMIT_RETRY_S
+            log.warning("%s: Kafka commit failed (trying again in %.0f s): %s", self.sink.name,
+                        COMMIT_RETRY_S, exc)
+            return
+        self._put_since_commit = False
+        self._dead_letters_committed = dead_letters
+
+
+def idle_for(seconds: float) -> Callable[[SinkRuntime], bool]:
+    """An ``until`` for catch-up jobs: no record for ``seconds`` since joining the group."""
+    return lambda runtime: runtime.idle_s() >= seconds
+
+
+def read_to_end_as_of_now(stream: RecordStream, topic_names: Iterable[str]) -> Callable[[SinkRuntime], bool]:
+    """An ``until`` for replays: every partition of the topics read up to the end it had
+    when this was called."""
+    consumer = stream.consumer
+    partitions = [TopicPartition(t, p) for t in topic_names for p in consumer.partitions_for(t)]
+    ends = consumer.end_offsets(partitions) if partitions else {}
+
+    def done(runtime: SinkRuntime) -> bool:
+        assigned = consumer.assignment()
+        if any(tp not in assigned for tp in ends):
+            return False
+        return all(consumer.position(tp) >= end for tp, end in ends.items())
+
+    return done
