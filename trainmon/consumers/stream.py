@@ -1,6 +1,7 @@
 """A consumer group over record topics: decoded records, dead letters, explicit commits.
 
-Every consumer (ClickHouse, alerts, W&B, Aim, TensorBoard) reads through this class:
+Every consumer (ClickHouse, alerts, W&B, Aim, TensorBoard) reads through this class, driven
+by the consumer runtime (:mod:`.runtime`):
 it unpacks each Kafka message into its records (one or more, see ``schemas.pack``),
 decodes each into its pydantic model, sends anything undecodable to the dead-letter
 topic with the error and the original bytes, and commits only the offsets the caller
@@ -16,7 +17,7 @@ import logging
 import signal
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Iterable
 
 from .. import topics
 from ..kafka_client import Consumer, KafkaError, Producer, TopicPartition
@@ -47,10 +48,7 @@ class RecordStream:
     MAX_RECORDS = 10_000  # per poll, unless the caller asks for fewer
 
     def __init__(self, group_id: str, kinds: Iterable[str] | None = None, *,
-                 topic_prefix: str | None = None, env: dict | None = None,
-                 on_assign: Callable[[list[TopicPartition]], None] | None = None,
-                 on_revoke: Callable[[list[TopicPartition]], None] | None = None,
-                 **consumer_settings):
+                 topic_prefix: str | None = None, env: dict | None = None, **consumer_settings):
         self.group_id = group_id
         self.prefix = topics.prefix() if topic_prefix is None else topic_prefix
         self.kinds = list(kinds or RECORD_TYPES)
@@ -73,7 +71,8 @@ class RecordStream:
         self._records_per_message = float(MAX_RECORDS_PER_MESSAGE)
         self.topic_names = [topics.topic_for(k, self.prefix) for k in self.kinds]
         ensure_topics([*self.topic_names, topics.topic_for(topics.DEADLETTER, self.prefix)], env)
-        self.consumer.subscribe(self.topic_names, on_assign=on_assign, on_revoke=on_revoke)
+        # Rebalance callbacks: set by the consumer runtime (Consumer.listen) before its first poll.
+        self.consumer.subscribe(self.topic_names)
         log.info("trainmon: %s joins as %s", group_id,
                  f"static member {self.instance_id}" if self.instance_id else "a dynamic member")
         self._report_uncovered_topics()

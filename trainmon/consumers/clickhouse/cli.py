@@ -11,7 +11,8 @@ from ... import topics
 from ...schemas import RECORD_TYPES
 from .client import EngineBusy, Target, connect
 from .ddl import create_all, create_table_sql
-from .loader import Loader, caught_up_with
+from ..runtime import read_to_end_as_of_now
+from .loader import Loader
 from .service import (add_batch_arguments, add_target_arguments, configure_logging,
                       sql_endpoint_for, target_from)
 from .sql_endpoint import SqlQueryError, find_endpoint, query_endpoint, run_sql
@@ -116,7 +117,7 @@ def replay_main(argv: list[str] | None = None) -> int:
                             # it can be deleted (a static member would keep it non-empty).
                             consumer_settings={"group_instance_id": None})
             names = [topics.topic_for(k, loader.stream.prefix) for k in RECORD_TYPES]
-            loader.run(until=caught_up_with(loader.stream.consumer, names))
+            loader.run(until=read_to_end_as_of_now(loader.stream, names))
         _delete_group(group)
     finally:
         client.close()
