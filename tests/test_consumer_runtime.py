@@ -1,0 +1,132 @@
+"""The consumer runtime's contract, with a sink of its own on the real broker: offsets are
+committed only after a flush returned, a retriable failure is retried with the same
+records, a crash or a stop in the middle of failing commits nothing, poison is dead-lettered."""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from datetime import datetime, timezone
+
+import pytest
+
+from trainmon import topics
+from trainmon.consumers import runtime
+from trainmon.consumers.stream import RecordStream
+from trainmon.schemas import StepRecord, encode, pack
+
+from .conftest import committed_offsets, end_offsets, send_raw
+
+FAST = runtime.RetryPolicy(first_s=0.01, max_s=0.05)
+
+
+def step_values(n: int) -> list[bytes]:
+    return [encode(StepRecord(run_id="rt", rank=0, world_size=1, host="h", time=datetime.now(timezone.utc),
+                              event_id=f"rt-{i}", step=i, epoch=0, step_tokens=1, duration_ms=1,
+                              loss=1, norm=1, lr=1)) for i in range(n)]
+
+
+class ListSink(runtime.Sink):
+    """Keeps what it was given; ``failures`` flushes raise RetriableError first, and
+    ``on_flush`` sees the group's committed offsets at every flush attempt."""
+
+    name = "list sink"
+
+    def __init__(self, failures: int = 0, crash: bool = False, on_flush=None):
+        self.failures, self.crash, self.on_flush = failures, crash, on_flush
+        self.buffered: list = []
+        self.flushed: list = []
+        self.attempts = 0
+        self.opened: list = []
+
+    def open(self, partitions):
+        self.opened += partitions
+
+    def put(self, messages):
+        self.buffered += messages
+
+    def flush_in_s(self):
+        return 0.0 if self.buffered else None
+
+    def flush(self):
+        self.attempts += 1
+        if self.on_flush:
+            self.on_flush()
+        if self.crash:
+            raise RuntimeError("the sink's disk is gone")
+        if self.failures:
+            self.failures -= 1
+            raise runtime.RetriableError("not now")
+        self.flushed += self.buffered
+        self.buffered = []
+
+
+@pytest.fixture
+def step_topic(kafka_broker, topic_prefix) -> str:
+    topic = topics.topic_for("step", topic_prefix)
+    kafka_broker.create_topics([topic])
+    return topic
+
+
+def stream_for(bootstrap, topic_prefix, group) -> RecordStream:
+    return RecordStream(group, ["step"], topic_prefix=topic_prefix, env={"TRAINMON_KAFKA_BOOTSTRAP": bootstrap},
+                        group_instance_id=None)
+
+
+def until_flushed(sink: ListSink, n: int, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+
+    def done(_runtime) -> bool:
+        assert time.monotonic() < deadline, f"flushed {len(sink.flushed)} of {n}"
+        return len(sink.flushed) >= n
+    return done
+
+
+def test_commits_follow_a_successful_flush_and_retries_keep_the_records(bootstrap, topic_prefix, step_topic):
+    values = step_values(30)
+    send_raw(bootstrap, [(step_topic, b"rt", pack(values[i:i + 10]), 0) for i in range(0, 30, 10)]
+             + [(step_topic, b"rt", b'{"not": "a step"}', 0)])
+    group = f"rt-{uuid.uuid4().hex[:6]}"
+    seen_committed = []
+    sink = ListSink(failures=2, on_flush=lambda: seen_committed.append(committed_offsets(bootstrap, group, step_topic)))
+    stream = stream_for(bootstrap, topic_prefix, group)
+    rt = runtime.SinkRuntime(sink, stream, retry=FAST)
+    rt.run(until_flushed(sink, 30))
+
+    assert [m.record.step for m in sink.flushed] == list(range(30))  # once each, in order
+    assert sink.attempts >= 3 and sink.opened
+    # Nothing was committed while the flush kept failing; everything once it passed,
+    # the dead-lettered message included.
+    assert all(offset is None for attempt in seen_committed[:2] for offset in attempt.values())
+    assert stream.dead_letters == 1
+    assert committed_offsets(bootstrap, group, step_topic)[0] == end_offsets(bootstrap, step_topic)[0] == 4
+
+
+def test_a_crash_in_flush_commits_nothing_and_the_group_reads_it_all_again(bootstrap, topic_prefix, step_topic):
+    send_raw(bootstrap, [(step_topic, b"rt", pack(step_values(20)), 0)])
+    group = f"rt-{uuid.uuid4().hex[:6]}"
+    crashing = ListSink(crash=True)
+    with pytest.raises(RuntimeError, match="disk is gone"):
+        runtime.SinkRuntime(crashing, stream_for(bootstrap, topic_prefix, group), retry=FAST).run()
+    assert all(offset is None for offset in committed_offsets(bootstrap, group, step_topic).values())
+
+    again = ListSink()
+    runtime.SinkRuntime(again, stream_for(bootstrap, topic_prefix, group), retry=FAST).run(until_flushed(again, 20))
+    assert [m.record.step for m in again.flushed] == list(range(20))
+
+
+def test_a_stop_while_the_flush_fails_gives_up_after_a_few_tries_and_commits_nothing(
+        bootstrap, topic_prefix, step_topic):
+    send_raw(bootstrap, [(step_topic, b"rt", pack(step_values(5)), 0)])
+    group = f"rt-{uuid.uuid4().hex[:6]}"
+    stop = threading.Event()
+    sink = ListSink(failures=10 ** 9, on_flush=lambda: stop.set())  # the stop comes mid-outage
+    runner = runtime.SinkRuntime(sink, stream_for(bootstrap, topic_prefix, group), stop=stop, retry=FAST)
+    thread = threading.Thread(target=runner.run, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the runtime did not stop"
+    assert runner.closed and sink.flushed == []
+    assert sink.attempts == runtime.STOPPING_ATTEMPTS
+    assert all(offset is None for offset in committed_offsets(bootstrap, group, step_topic).values())
