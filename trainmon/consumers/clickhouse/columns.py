@@ -12,15 +12,28 @@ from typing import Iterable, Sequence
 
 from ...schemas import RECORD_TYPES, Record
 from .client import DEFAULT_DATABASE
-from .ddl import Column, data_columns
+from .ddl import BOOKKEEPING, Column, data_columns
 from .rollups import INSERT_SETTINGS
 
 KAFKA_COLUMNS = ("_topic", "_partition", "_offset")
+# Every insert here. optimize_on_insert=0: ClickHouse would otherwise sort-and-merge each
+# block by its table's key on the way in (collapse repeats of the ReplacingMergeTree key,
+# combine the rollups' aggregate states), which costs the embedded engine about half its
+# insert time; the same merge happens in the background anyway, every read that needs one
+# row per key says FINAL, and the rollups' views group each block themselves.
+_SETTINGS = {**INSERT_SETTINGS, "optimize_on_insert": 0}
 
 
 @lru_cache(maxsize=None)
 def _columns(kind: str) -> tuple[Column, ...]:
     return tuple(data_columns(RECORD_TYPES[kind]))
+
+
+@lru_cache(maxsize=None)
+def _type_names(kind: str) -> tuple[str, ...]:
+    """ClickHouse types of the inserted columns, in to_columns order then KAFKA_COLUMNS:
+    given to the client, they spare a DESCRIBE TABLE round trip per insert."""
+    return (*(c.type for c in _columns(kind)), *(BOOKKEEPING[name] for name in KAFKA_COLUMNS))
 
 
 def to_columns(kind: str, records: Sequence[Record]) -> tuple[list[str], list[list]]:
@@ -55,11 +68,11 @@ def insert_batch(client, kind: str, records: Sequence[Record], *, database: str 
     topic, partition, offsets = kafka if kafka else ("", -1, [-1] * n)
     names += KAFKA_COLUMNS
     values += [[topic] * n, [partition] * n, list(offsets)]
-    settings = {**INSERT_SETTINGS, **(settings or {})}
+    settings = {**_SETTINGS, **(settings or {})}
     if dedup_token:
         settings["insert_deduplication_token"] = dedup_token
-    client.insert(table or f"{database}.{kind}", values, column_names=names, column_oriented=True,
-                  settings=settings)
+    client.insert(table or f"{database}.{kind}", values, column_names=names,
+                  column_type_names=_type_names(kind), column_oriented=True, settings=settings)
 
 
 def insert_records(client, records: Iterable[Record], database: str = DEFAULT_DATABASE) -> int:
