@@ -35,7 +35,7 @@ from typing import Any, Callable, Protocol
 from ..schemas import (DatasetRecord, GpuModelRecord, Record, RunRecord)
 from . import runtime
 from .metric_names import STEP_KINDS, stream_key
-from .stream import Message, RecordStream, stop_on_signals
+from .stream import Message, RecordStream
 
 log = logging.getLogger("trainmon.forwarders")
 
@@ -329,7 +329,7 @@ def serve(args: argparse.Namespace, make_sink: Callable[[], tuple[Sink, Path]]) 
         print(exc, file=sys.stderr)
         return 2
     stream = RecordStream(args.group, FORWARDED_KINDS, topic_prefix=args.topic_prefix)
-    forwarder = Forwarder(sink, stream, ProgressStore(state_dir), stop=stop_on_signals(),
+    forwarder = Forwarder(sink, stream, ProgressStore(state_dir), stop=runtime.stop_on_signals(),
                           batch_records=args.batch_records, linger_ms=args.linger_ms,
                           idle_close_seconds=args.idle_close_seconds)
     log.info("trainmon: forwarding to %s (group %s)", sink.name, args.group)

@@ -28,6 +28,7 @@ way for all of them:
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from dataclasses import dataclass
@@ -274,3 +275,12 @@ def read_to_end_as_of_now(stream: RecordStream, topic_names: Iterable[str]) -> C
         return all(consumer.position(tp) >= end for tp, end in ends.items())
 
     return done
+
+
+def stop_on_signals() -> threading.Event:
+    """An event set by SIGTERM / SIGINT: give it to a runtime as ``stop``, and it finishes
+    its batch, commits and returns."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop

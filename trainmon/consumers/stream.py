@@ -14,8 +14,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import signal
-import threading
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -169,10 +167,3 @@ class RecordStream:
         finally:
             self._instance.release()  # only now may another process take this instance id
 
-
-def stop_on_signals() -> threading.Event:
-    """An event set by SIGTERM / SIGINT, so a service finishes its batch and commits."""
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    return stop

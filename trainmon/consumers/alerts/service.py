@@ -32,7 +32,7 @@ from ... import topics
 from ...schemas import AlertRecord
 from ...kafka_client import TopicPartition
 from .. import runtime
-from ..stream import Message, RecordStream, stop_on_signals
+from ..stream import Message, RecordStream
 from . import checkpoint
 from .alert_topic import AlertLog, AlertPublisher
 from .config import AlertsConfig, ConfigError, load_config
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
         return 0
-    stop = stop_on_signals()
+    stop = runtime.stop_on_signals()
     forwarder = None
     if args.only != "engine" and (args.only == "grafana" or os.environ.get("GRAFANA_URL")):
         from .grafana import GrafanaForwarder

@@ -20,7 +20,7 @@ from dataclasses import replace
 from clickhouse_connect.driver.exceptions import OperationalError
 
 from ...kafka_client import bootstrap_servers
-from ..stream import stop_on_signals
+from ..runtime import stop_on_signals
 from .client import EngineBusy, Target, connect, connect_when_free
 from .ddl import create_all
 from .loader import Loader
