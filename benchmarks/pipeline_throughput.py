@@ -1,6 +1,7 @@
 """Producers -> Kafka -> ClickHouse: sustained records/s and log-call-to-row latency.
 
     python benchmarks/pipeline_throughput.py [--records 300000] [--producers 2]
+                                             [--batch-rows N] [--batch-ms MS]
 
 Runs a real broker (its own, unless TRAINMON_KAFKA_BOOTSTRAP is set), the ClickHouse
 service as its own process on a fresh chDB directory (``trainmon consume clickhouse``),
@@ -11,6 +12,9 @@ and producer processes that log step records through the public Producer API.
 2. paced: producers log at a fixed total rate (default 5,000/s, a busy 16-rank job);
    latency per record is the row's ``_inserted_at`` (set by ClickHouse when the insert
    is written) minus its ``time`` (set at the log call), p50 / p99 over all records.
+
+Beside wall-clock rates it prints the service's records per CPU-second (its process,
+all threads), a figure that holds on a machine shared with other work.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -92,12 +98,18 @@ def latency_ms(endpoint, run_id: str) -> tuple[float, float, float]:
     return tuple(float(x) for x in out.strip("[]").split(","))
 
 
-def start_service(tmp: Path, bootstrap: str, prefix: str):
+def cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return times.user + times.system
+
+
+def start_service(tmp: Path, bootstrap: str, prefix: str, batch_arguments: list[str]):
     env = dict(os.environ, TRAINMON_KAFKA_BOOTSTRAP=bootstrap, PYTHONPATH=str(REPO))
     with open(tmp / "service.log", "ab") as log:
         service = subprocess.Popen(
             [sys.executable, "-m", "trainmon", "consume", "clickhouse", "--path",
-             str(tmp / "chdb"), "--topic-prefix", prefix, "--group", f"{prefix}ch"],
+             str(tmp / "chdb"), "--topic-prefix", prefix, "--group", f"{prefix}ch",
+             *batch_arguments],
             env=env, stdout=log, stderr=subprocess.STDOUT)
     while (endpoint := find_endpoint(tmp / "chdb")) is None:
         if service.poll() is not None:
@@ -128,7 +140,11 @@ def main() -> int:
     parser.add_argument("--paced-seconds", type=float, default=10)
     parser.add_argument("--compression", default="default",
                         help="producer compression: default (the producer's), none, gzip, ...")
+    parser.add_argument("--batch-rows", type=int, help="the service's --batch-rows (default: its own)")
+    parser.add_argument("--batch-ms", type=int, help="the service's --batch-ms (default: its own)")
     args = parser.parse_args()
+    batch_arguments = [*(["--batch-rows", str(args.batch_rows)] if args.batch_rows else []),
+                       *(["--batch-ms", str(args.batch_ms)] if args.batch_ms else [])]
     global COMPRESSION
     COMPRESSION = args.compression
 
@@ -153,17 +169,22 @@ def main() -> int:
             print(f"producers alone: {total} step records from {args.producers} processes")
             print(f"  log calls:             {log_rate:,.0f} records/s (spilled: {spilled})")
             print(f"  delivered to Kafka:    {total / delivered:,.0f} records/s")
-            service, endpoint = start_service(tmp, bootstrap, prefix)
-            ready = time.perf_counter()
+            service, endpoint = start_service(tmp, bootstrap, prefix, batch_arguments)
+            service_process = psutil.Process(service.pid)
+            ready, started_cpu = time.perf_counter(), cpu_seconds(service_process)
             visible = wait_rows(endpoint, "drain", total, timeout=600)
+            drain_cpu = cpu_seconds(service_process) - started_cpu
             print(f"consumer alone (service drains the topics into ClickHouse):")
             consumer_alone = total / (visible - ready)
-            print(f"  {consumer_alone:,.0f} records/s ({visible - ready:.2f} s)")
+            print(f"  {consumer_alone:,.0f} records/s ({visible - ready:.2f} s); service process: "
+                  f"{total / drain_cpu:,.0f} records per CPU-second ({drain_cpu:.2f} CPU-s)")
 
             # 2. Everything at once: producers -> Kafka -> ClickHouse.
+            burst_cpu = cpu_seconds(service_process)
             log_rate, spilled, began, delivered = burst(bootstrap, prefix, "burst", args.producers,
                                                         total, spill)
             visible = wait_rows(endpoint, "burst", total, timeout=600)
+            burst_cpu = cpu_seconds(service_process) - burst_cpu
             burst_p50, burst_p99, _ = latency_ms(endpoint, "burst")
             print(f"end to end, producers and consumer at once: {total} step records")
             print(f"  log calls:             {log_rate:,.0f} records/s (spilled: {spilled})")
@@ -172,6 +193,8 @@ def main() -> int:
             print(f"  sustained end to end:  {sustained:,.0f} records/s "
                   f"(first log call -> last row visible: {visible - began:.2f} s)")
             print(f"  latency under backlog: p50 {burst_p50:.0f} ms, p99 {burst_p99:.0f} ms")
+            print(f"  service process:       {total / burst_cpu:,.0f} records per CPU-second "
+                  f"({burst_cpu:.2f} CPU-s)")
 
             per = int(args.paced_rate * args.paced_seconds) // args.producers
             procs, start, results = run_producers(bootstrap, prefix, "paced", args.producers, per,
