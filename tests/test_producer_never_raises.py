@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 
 import trainmon.producer as tm
 from trainmon.producer import Producer, ProducerConfig
+from trainmon.producer.deferred import DeferredRecord
 from trainmon.producer.logger import MAX_REASON_CHARS
 from trainmon.schemas import RECORD_TYPES
 
@@ -31,7 +32,10 @@ def make(tmp_path):
         settings.update(overrides)
         producer = Producer(ProducerConfig(**settings))
         producer.sent = []
-        producer._worker.submit = lambda topic, key, record: producer.sent.append(record)
+        # A record of plain numbers is queued unbuilt (the sender thread builds it): built
+        # here, as the sender thread would.
+        producer._worker.submit = lambda topic, key, record: producer.sent.append(
+            record.build() if isinstance(record, DeferredRecord) else record)
         made.append(producer)
         return producer
 

@@ -5,6 +5,7 @@ import math
 import pytest
 
 from trainmon import topics
+from trainmon.producer.deferred import DeferredRecord
 from trainmon.producer.worker import pack_messages
 from trainmon.schemas import MAX_MESSAGE_BYTES, MAX_RECORDS_PER_MESSAGE, RECORD_TYPES, encode, unpack
 
@@ -21,8 +22,11 @@ def test_every_record_type_round_trips_with_nan_and_inf(make_producer, bootstrap
     sent = []
     producer = make_producer(run_id="rt", rank=1, world_size=2)
     original_submit = producer._worker.submit
-    producer._worker.submit = lambda topic, key, record: (sent.append(record),
-                                                          original_submit(topic, key, record))
+    # (A record of plain numbers is queued unbuilt, for the sender thread to build: the
+    # same record, as building it twice gives the same time and event id.)
+    producer._worker.submit = lambda topic, key, record: (
+        sent.append(record.build() if isinstance(record, DeferredRecord) else record),
+        original_submit(topic, key, record))
     log_one_of_each(producer, step=7)
     assert producer.flush(20)
 

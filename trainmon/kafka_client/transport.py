@@ -45,7 +45,9 @@ class TransportSettings:
 
 class Transport(Protocol):
     dropped: int  # records over the message limit even one per message
-    on_ack: Callable[[], None] | None  # called at every acknowledged message (instrumentation)
+    # Called at every acknowledged message (instrumentation). Set it before the first send:
+    # the confluent transport asks Kafka to report successes only when a hook is set then.
+    on_ack: Callable[[], None] | None
 
     @property
     def in_flight(self) -> int: ...  # messages sent and not yet answered
@@ -109,10 +111,22 @@ class ConfluentTransport:
         self._on_undelivered = on_undelivered
         self._producer = None
         self.dropped = 0
-        self.on_ack: Callable[[], None] | None = None
+        self._on_ack: Callable[[], None] | None = None
+        self._reports_successes = False
         self._told_topic_limit = False
         self_ref = weakref.ref(self)  # the hook must not keep every transport alive
         os.register_at_fork(after_in_child=lambda: (t := self_ref()) is not None and t._forget())
+
+    @property
+    def on_ack(self) -> Callable[[], None] | None:
+        return self._on_ack
+
+    @on_ack.setter
+    def on_ack(self, hook: Callable[[], None] | None) -> None:
+        if hook is not None and self._producer is not None and not self._reports_successes:
+            log.warning("trainmon: on_ack set after the Kafka client was created, which reports "
+                        "failed deliveries only; it is called from the next client on")
+        self._on_ack = hook
 
     def _forget(self) -> None:
         if self._producer is not None:
@@ -140,7 +154,13 @@ class ConfluentTransport:
                 "max.in.flight.requests.per.connection": 1,
                 "queue.buffering.max.messages": c.max_in_flight_messages,
                 "partitioner": settings.PARTITIONER,  # as kafka-python's: a run, one partition
+                # Only failures matter to the worker (it spills them): a report per success
+                # would be a callback per message on the worker's thread, and messages owed
+                # a report keep it waking to collect them.
+                "delivery.report.only.error": self._on_ack is None,
+                "on_delivery": self._report,
             })
+            self._reports_successes = self._on_ack is not None
             try:
                 self._producer = Producer(conf)
             except Exception as exc:  # a bad setting: say so, keep the records
@@ -152,28 +172,31 @@ class ConfluentTransport:
         return len(self._producer) if self._producer is not None else 0
 
     def send(self, entry: Entry) -> None:
-        from confluent_kafka import KafkaException
-
         topic, key, value = entry
-        producer = self._connect()
+        producer = self._producer if self._producer is not None else self._connect()
         try:
-            producer.produce(topic, value=value, key=key,
-                             on_delivery=lambda error, _msg: self._acked() if error is None
-                             else self._failed(entry, error))
+            producer.produce(topic, value=value, key=key)
         except BufferError as exc:  # max_in_flight_messages unanswered: Kafka is away or slow
             raise TransportUnavailable(f"{len(producer)} messages unacknowledged by Kafka") from exc
-        except KafkaException as exc:
+        except Exception as exc:
+            from confluent_kafka import KafkaException
+
+            if not isinstance(exc, KafkaException):
+                raise
             if exc.args and exc.args[0].name() == "MSG_SIZE_TOO_LARGE":
                 self.dropped += split_or_drop(entry, self._on_undelivered, exc)
                 return
             raise TransportUnavailable(str(exc)) from exc
 
-    def _acked(self) -> None:
-        if self.on_ack is not None:
-            self.on_ack()
+    def _report(self, error, message) -> None:
+        """A delivery report (on the worker's thread, inside serve/flush)."""
+        if error is None:
+            if self._on_ack is not None:
+                self._on_ack()
+            return
+        self._failed((message.topic(), message.key(), message.value()), error)
 
     def _failed(self, entry: Entry, error) -> None:
-        """A delivery report with an error (on the worker's thread, inside serve/flush)."""
         if error.name() == "MSG_SIZE_TOO_LARGE" and not self._told_topic_limit:
             self._told_topic_limit = True
             say_topic_limit(entry[0], self._config.batch_bytes)

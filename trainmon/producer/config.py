@@ -73,6 +73,10 @@ class ProducerConfig:
     # 0 for a training loop (at 1-10 steps/s a wait is one more wake-up per step); a bulk
     # source (trainmon ingest) packs far more per message with a few ms.
     linger_ms: int = 0
+    # While records come faster than this, the sender thread sends one message per window
+    # rather than one per record (see Worker): the added latency is at most the window,
+    # and only while the loop logs more often than once per window.
+    pack_window_ms: int = 250
     batch_size: int = 256 * 1024
     compression: str | None = field(default_factory=lambda: default_compression())
     # Free space of this directory's filesystem, as disk records (see producer/disk.py).
@@ -99,6 +103,7 @@ class ProducerConfig:
             compression=env.get("TRAINMON_KAFKA_COMPRESSION", default_compression()) or None,
             checkpoint_dir=env.get("TRAINMON_CHECKPOINT_DIR") or None,
             disk_interval_s=_seconds(env.get("TRAINMON_DISK_INTERVAL_S"), 60.0),
+            pack_window_ms=int(_seconds(env.get("TRAINMON_PACK_WINDOW_MS"), 250)),
         )
         if spill_dir:
             cfg.spill_dir = Path(spill_dir)

@@ -1,4 +1,4 @@
-"""TrainingRunLogger-style API: one call per record, validated on the caller, sent behind.
+"""TrainingRunLogger-style API: one call per record, checked on the caller, sent behind.
 
     from trainmon.producer import Producer
     with Producer() as tm:              # settings from TRAINMON_* / torchrun env vars
@@ -21,6 +21,7 @@ import functools
 import itertools
 import logging
 import os
+import time
 import traceback
 import uuid
 import weakref
@@ -34,6 +35,7 @@ from ..schemas import (AllocatorRecord, CheckpointRecord, DatasetRecord, DiskRec
                        GpuHealthRecord, GpuModelRecord, GpuRecord, LogEventRecord, MoeRecord,
                        Record, RunRecord, StepRecord)
 from .config import ProducerConfig
+from .deferred import EARLIEST_TIME, LATEST_TIME, DeferredRecord, passes_quick_check
 from .disk import DiskSampler
 from .surogate import ConsoleLine, JsonLogFile
 from ..kafka_client.transport import TransportSettings, make_transport
@@ -107,7 +109,8 @@ class Producer:
         self._worker = Worker(lambda on_undelivered: make_transport(cfg.client, settings, on_undelivered),
                               cfg.spill_dir, f"{_safe(cfg.run_id)}.{cfg.rank}",
                               queue_size=cfg.queue_size, yield_to_caller=cfg.yield_to_caller,
-                              linger_s=cfg.linger_ms / 1000, observers=observers,
+                              linger_s=cfg.linger_ms / 1000, pack_window_s=cfg.pack_window_ms / 1000,
+                              observers=observers,
                               max_record_bytes=cfg.max_message_bytes - 1024,
                               on_reject=lambda record, reason: self._reject(record.kind, reason))
         self_ref = weakref.ref(self)
@@ -136,6 +139,12 @@ class Producer:
         if self.disabled_reason is not None:  # said once, loudly, when the producer was made
             self.rejected[model.kind] = self.rejected.get(model.kind, 0) + 1
             return False
+        now = time.time()
+        if EARLIEST_TIME <= now < LATEST_TIME and passes_quick_check(model, fields):
+            # Valid for certain: the sender thread builds the record (see deferred.py).
+            self._worker.submit(self._topic(model.kind), self._key, DeferredRecord(
+                model, self._envelope, now, self._id_prefix, next(self._ids), fields))
+            return True
         if not ENVELOPE_FIELDS.isdisjoint(fields):  # (isdisjoint: the cheap test, per call)
             clash = ENVELOPE_FIELDS.intersection(fields)
             problem = (f"{', '.join(sorted(clash))}: set by the producer for every record "
@@ -166,11 +175,14 @@ class Producer:
 
     def send_record(self, record: Record) -> None:
         """Queue an already built record (its own envelope kept), e.g. an alert."""
-        topic = self._topics.get(record.kind)
-        if topic is None:
-            topic = self._topics[record.kind] = topics.topic_for(record.kind, self.config.topic_prefix)
         key = self._key if record.run_id == self.config.run_id else topics.record_key(record.run_id)
-        self._worker.submit(topic, key, record)
+        self._worker.submit(self._topic(record.kind), key, record)
+
+    def _topic(self, kind: str) -> str:
+        topic = self._topics.get(kind)
+        if topic is None:
+            topic = self._topics[kind] = topics.topic_for(kind, self.config.topic_prefix)
+        return topic
 
     def _reject(self, kind: str, exc: ValidationError | str) -> None:
         count = self.rejected.get(kind, 0)

@@ -1,6 +1,6 @@
 """The background worker: a bounded in-memory queue drained by one daemon thread.
 
-The calling (training) thread only appends to a deque. The worker thread serializes,
+The calling (training) thread only puts records on a queue. The worker thread serializes,
 hands records to the transport, and when the broker is unreachable moves them to the
 spill file instead of holding them in memory, retrying with backoff. Modelled on the
 Sentry SDK's worker: never block the caller, flush at exit.
@@ -8,11 +8,15 @@ Sentry SDK's worker: never block the caller, flush at exit.
 No polling when there is nothing to do: the thread sleeps until a record arrives in an
 empty queue. It then needs the GIL, which the training thread holds until its burst of
 log calls is done, so records logged together (the GPU records of one sample) leave
-together; a bulk source sets ``linger_s`` to pack more per message. Kafka's answers are
-collected at the next wake, or after a second at the latest while some are owed (they
-matter only when a message failed: it is spilled); a flush collects them at once. While
-records wait in the spill file, it wakes at their retry time. At 1-10 steps/s that is
-one wake per step.
+together. While records come faster than one message per ``pack_window_s`` (10 steps/s
+with a 250 ms window), it stops being woken per record and gathers them on a timer
+instead, one message per window: a thread wake-up and a Kafka request cost far more than
+a record, and at these rates caches are cold at every wake. A record logged after a
+quiet spell leaves at once; none waits longer than the window. A bulk source sets
+``linger_s`` to pack more per message. Kafka reports failed messages only (they are
+spilled); those are collected at each wake, and every few seconds while messages are
+unacknowledged; a flush collects them at once. While records wait in the spill file, it
+wakes at their retry time. At 1 step/s that is one wake per step; at 10, one per window.
 """
 
 from __future__ import annotations
@@ -20,17 +24,18 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import threading
 import time
 import typing
 import weakref
-from collections import deque
 from functools import lru_cache
 from typing import Any, Callable
 
 from ..kafka_client.errors import TransportUnavailable
 from ..schemas import MAX_MESSAGE_BYTES, MAX_RECORDS_PER_MESSAGE, Record, count, encode, pack
 from ..schemas.jsonsafe import json_safe
+from .deferred import DeferredRecord
 from .spill import Entry, SpillFile, claim_orphans
 
 log = logging.getLogger("trainmon.producer")
@@ -39,7 +44,11 @@ Observer = Callable[[Record], None]
 Rejecter = Callable[[Record, str], None]
 
 
-_ANSWER_WAIT_S = 1.0  # while Kafka owes answers, collect them at least this often
+# While messages are unacknowledged, collect Kafka's failure reports at least this often.
+# A message fails at the earliest after the delivery timeout (5 s) unless Kafka refuses it
+# outright, so a failure waits at most this long to be spilled; records logged at 1 step/s
+# wake the thread sooner anyway, so this adds no wake-up there.
+_ANSWER_WAIT_S = 2.0
 _YIELD_EVERY = 16  # records encoded between two GIL hand-backs to the training thread
 
 
@@ -56,11 +65,12 @@ class _Stop:
 
 class Worker:
     def __init__(self, make_transport, spill_dir, spill_name: str, queue_size: int = 100_000,
-                 yield_to_caller: bool = True, linger_s: float = 0.0,
+                 yield_to_caller: bool = True, linger_s: float = 0.0, pack_window_s: float = 0.0,
                  observers: list[Observer] | None = None, max_record_bytes: int = 1_000_000,
                  on_reject: Rejecter | None = None):
         self._make_transport = make_transport
         self._linger_s = linger_s
+        self._pack_window_s = pack_window_s
         # A training loop wants the GIL back promptly; a bulk source (trainmon ingest),
         # whose own thread only produces records, is faster without the hand-backs.
         self._yield_to_caller = yield_to_caller
@@ -82,8 +92,11 @@ class Worker:
     def _reset(self) -> None:
         """Fresh state: at construction and in a forked child, which must neither use the
         parent's thread, sockets or spill file nor send the parent's queued records."""
-        self._items: deque = deque()
-        self._wakeup = threading.Event()
+        # A C queue: put and get are single calls, and a put wakes the thread only while
+        # it is blocked in get (not while it gathers on its timer).
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._last_sent = -1e9  # monotonic time of the latest message handed to Kafka
+        self._gathering = False  # records come faster than one message per pack window
         self._start_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._spill = SpillFile(self._spill_dir, self._spill_name)
@@ -100,27 +113,22 @@ class Worker:
     @property
     def queued(self) -> int:
         """Records handed to submit and not yet taken by the worker thread."""
-        return len(self._items)
+        return self._items.qsize()
 
     @property
     def spill_path(self):
         return self._spill.path
 
-    def submit(self, topic: str, key: bytes, record: Record) -> None:
+    def submit(self, topic: str, key: bytes, record: Record | DeferredRecord) -> None:
         if self._thread is None:
             self._start()
-        if len(self._items) >= self._queue_size:
+        if self._items.qsize() >= self._queue_size:
             # The worker is far behind: keep memory bounded and the record safe on disk.
             entry = self._entry(topic, key, record)
             if entry is not None:
                 self._keep([entry])
             return
-        self._items.append((topic, key, record))
-        # Wake the worker when this record made the queue non-empty; once it has the GIL
-        # it takes everything queued by then. (It clears the event before draining, so a
-        # record appended after its last look always finds the queue empty again.)
-        if len(self._items) == 1:
-            self._wakeup.set()
+        self._items.put((topic, key, record))
 
     def _start(self) -> None:
         with self._start_lock:
@@ -133,8 +141,7 @@ class Worker:
         if self._thread is None:
             self._start()
         marker = _Flush(timeout)
-        self._items.append(marker)
-        self._wakeup.set()
+        self._items.put(marker)
         marker.done.wait(timeout + 1.0)
         return marker.ok
 
@@ -144,8 +151,7 @@ class Worker:
         ok = self.flush(timeout)
         self._closed = True
         if self._thread is not None:
-            self._items.append(_Stop())
-            self._wakeup.set()
+            self._items.put(_Stop())
             self._thread.join(timeout + 1.0)
         self._transport.close(timeout=max(0.5, timeout / 2))
         if self._spill.count:
@@ -175,23 +181,49 @@ class Worker:
             except Exception:  # last resort: this thread is every later record's way to Kafka
                 log.exception("trainmon: the producer's sender thread hit an error; it goes on")
 
-    def _wait(self) -> None:
-        """Sleep until there is something to do."""
+    def _next_items(self) -> list:
+        """What is queued, once there is something to do ([] when only a timed duty is)."""
+        if self._gathering:
+            # Sleep out the window instead of being woken per record; a window that
+            # gathered nothing ends this, and the next record wakes the thread again.
+            time.sleep(max(0.0, self._last_sent + self._pack_window_s - time.monotonic()))
+            items = self._drain([])
+            self._gathering = bool(items)
+            return items
         timeout = _ANSWER_WAIT_S if self._transport.in_flight else None
         if self._spill.count:
             retry_in = max(0.01, self._retry_at - time.monotonic())
             timeout = retry_in if timeout is None else min(timeout, retry_in)
-        if self._wakeup.wait(timeout) and self._linger_s and not isinstance(
-                self._items[-1] if self._items else None, (_Flush, _Stop)):
-            time.sleep(self._linger_s)  # a bulk source: let more records join these
+        try:
+            first = self._items.get(timeout=timeout)
+        except queue.Empty:
+            return []
+        if isinstance(first, tuple):
+            if self._linger_s:
+                time.sleep(self._linger_s)  # a bulk source: let more records join this one
+            elif (wait := self._last_sent + self._pack_window_s - time.monotonic()) > 0:
+                # Records come faster than one message per window: this one joins the next.
+                time.sleep(wait)
+                self._gathering = True
+        return self._drain([first])
+
+    def _drain(self, items: list) -> list:
+        try:
+            for _ in range(self._items.qsize()):
+                items.append(self._items.get_nowait())
+        except queue.Empty:  # (only this thread takes items; kept for safety)
+            pass
+        return items
 
     def _tick(self) -> bool:
         """Encode and deliver what is queued; True when told to stop."""
-        self._wait()
-        self._wakeup.clear()
+        items = self._next_items()
+        if self._transport.in_flight:
+            # Kafka's failure reports so far (a failed message is spilled). Only messages
+            # handed over before this tick can have one: acknowledged ones leave no report.
+            self._transport.serve()
         entries: list[Entry] = []
-        while self._items:
-            item = self._items.popleft()
+        for item in items:
             if isinstance(item, tuple):
                 entry = self._encode(item)
                 if entry is not None:
@@ -208,8 +240,6 @@ class Worker:
             self._finish_flush(item)
         if entries or (self._spill.count and time.monotonic() >= self._retry_at):
             self._deliver(entries)
-        if self._transport.in_flight:
-            self._transport.serve()  # Kafka's answers so far (a failed message is spilled)
         return False
 
     def _encode(self, item: tuple) -> Entry | None:
@@ -225,13 +255,20 @@ class Worker:
                 log.exception("trainmon: local log sink failed")
         return self._checked(topic, key, record, value)
 
-    def _entry(self, topic: str, key: bytes, record: Record) -> Entry | None:
+    def _entry(self, topic: str, key: bytes, record: Record | DeferredRecord) -> Entry | None:
         encoded = self._encoded(record)
         return None if encoded is None else self._checked(topic, key, *encoded)
 
-    def _encoded(self, record: Record) -> tuple[Record, bytes] | None:
+    def _encoded(self, record: Record | DeferredRecord) -> tuple[Record, bytes] | None:
         """The record's JSON, or None once it is rejected: one record that cannot be
-        encoded is counted and logged, never an exception that ends the sender thread."""
+        built or encoded is counted and logged, never an exception that ends the sender
+        thread."""
+        if type(record) is DeferredRecord:
+            try:
+                record = record.build()
+            except Exception as exc:  # (the quick check vouched for its fields)
+                self._reject(record, f"{type(exc).__name__}: {exc}")
+                return None
         try:
             return encode_safely(record)
         except Exception as exc:
@@ -255,7 +292,7 @@ class Worker:
         if time.monotonic() < self._retry_at:
             self._keep(messages)
             return
-        pending = self._taken() + messages
+        pending = self._taken() + messages if self._spill.count else messages
         for i, entry in enumerate(pending):
             try:
                 self._transport.send(entry)
@@ -269,6 +306,8 @@ class Worker:
                 return
             self.sent += count(entry[2])
         self._backoff = 0.5
+        if messages:
+            self._last_sent = time.monotonic()
 
     def _undelivered(self, entries: list[Entry]) -> None:
         """Kafka gave up on these (no acknowledgement within the delivery timeout: the
@@ -364,6 +403,8 @@ def _mentions_any(annotation) -> bool:
 def pack_messages(entries: list[Entry]) -> list[Entry]:
     """Encoded records -> Kafka messages: the records of each (topic, key) packed in
     order, up to MAX_RECORDS_PER_MESSAGE and MAX_MESSAGE_BYTES per message."""
+    if len(entries) == 1:
+        return entries  # (the common case at training rates: one record, as it is)
     by_key: dict[tuple[str, bytes], list[bytes]] = {}
     for topic, key, value in entries:
         by_key.setdefault((topic, key), []).append(value)

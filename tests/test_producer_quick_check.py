@@ -1,0 +1,76 @@
+"""The training thread's quick check never vouches for values the schema refuses, and
+vouches for the plain numbers a training loop logs (no broker needed)."""
+
+import math
+import random
+from datetime import datetime, timezone
+
+import pytest
+from pydantic import ValidationError
+
+from trainmon.producer.deferred import DeferredRecord, field_checks, passes_quick_check
+from trainmon.schemas import Record, StepRecord
+
+ENVELOPE = {"run_id": "quick", "rank": 0, "world_size": 1, "host": "h"}
+ODD_VALUES = [0, 1, -1, 7, 2**53, 2**53 + 1, -2**63, 2**63 - 1, 2**63, 2**70, 0.0, -0.0, 0.5, -0.5,
+              1.5, 100.0, 101.0, 1e300, -1e300, math.nan, math.inf, -math.inf, True, False, None,
+              "1", b"1", [1.0], {"a": 1.0}, object()]
+
+
+def schema_takes(model, fields) -> bool:
+    try:
+        model(**ENVELOPE, time=datetime.now(timezone.utc), event_id="e", **fields)
+    except (ValidationError, TypeError, ValueError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize("model", list(Record.registry.values()), ids=lambda m: m.kind)
+def test_the_quick_check_passes_nothing_the_schema_refuses(model):
+    checks = field_checks(model) or {}
+    rng = random.Random(model.kind)
+    for name in checks:  # every odd value in every checked field, the others left out
+        for value in ODD_VALUES:
+            fields = {name: value}
+            if passes_quick_check(model, fields):
+                assert schema_takes(model, fields) or _required_missing(model, fields), (name, value)
+    required = {n: 1 for n, f in model.model_fields.items() if f.is_required() and n in checks}
+    for _ in range(3000):  # random mixes over all checked fields, required ones included
+        fields = dict(required)
+        for name in rng.sample(sorted(checks), k=rng.randint(0, len(checks))):
+            fields[name] = rng.choice(ODD_VALUES)
+        if passes_quick_check(model, fields):
+            assert schema_takes(model, fields) or _required_missing(model, fields), fields
+
+
+def _required_missing(model, fields) -> bool:
+    # The quick check judges the values given; a required field left out is the log
+    # call's to catch (its MISSING default fails the check), not the check's.
+    return any(f.is_required() and n not in fields and n not in ENVELOPE
+               and n not in ("time", "event_id") for n, f in model.model_fields.items())
+
+
+def test_a_training_loops_step_is_checked_quickly_and_built_the_same():
+    fields = dict(step=12, epoch=0.5, step_tokens=524288, duration_ms=812.0, loss=2.25, norm=0.9,
+                  lr=3e-4, loss_scale=65536.0, skipped=0)
+    assert passes_quick_check(StepRecord, fields)
+    deferred = DeferredRecord(StepRecord, ENVELOPE, 1.7e9, "prefix", 7, fields)
+    record = deferred.build()
+    assert record.event_id == "prefix-7" and record.time.timestamp() == 1.7e9
+    assert record.tokens_per_second == pytest.approx(524288 / 0.812)  # derived, as ever
+    assert record == StepRecord(**ENVELOPE, time=record.time, event_id="prefix-7", **fields)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(step=1, loss="two"), dict(step=-1, loss=1.0), dict(step=1, loss=1.0, duration_ms=-1.0),
+    dict(step=2**63, loss=1.0), dict(step=1, loss=1.0, host="x"), dict(step=1, loss=1.0, bogus=1),
+    dict(step=1.0, loss=1.0), dict(step=True, loss=1.0), dict(step=1, loss=1.0, losses={"a": 1.0}),
+])
+def test_anything_else_goes_to_pydantic_on_the_callers_thread(fields):
+    assert not passes_quick_check(StepRecord, fields)
+
+
+def test_every_number_field_of_a_step_is_checked_quickly():
+    numbers = [n for n, f in StepRecord.model_fields.items()
+               if n not in Record.model_fields and n not in ("losses", "timers")]
+    assert sorted(field_checks(StepRecord)) == sorted(numbers)

@@ -1,0 +1,150 @@
+"""Records the sender thread builds: a quick check on the training thread, pydantic behind.
+
+Building and validating a pydantic record is the costliest part of a log call, and at
+training rates it runs with cold caches (a step every 100 ms or more), where it costs tens
+of times its warm price. Most calls pass plain Python ints and floats to number fields;
+for those, ``passes_quick_check`` decides on the training thread, from the model's own
+field declarations, that the schema will take the values, and the record is built (and
+validated) by the sender thread with the others queued in the same moment. Any other
+call -- a value of another type, a field with a type or validator the check does not
+model, a missing or unknown argument -- is validated on the training thread as before,
+so every call the check does not vouch for gets pydantic's verdict at once.
+
+The check is conservative: it passes only values it can prove valid (a number's type is
+exactly ``int`` or ``float``; ``ge`` / ``le`` / ``gt`` / ``lt`` bounds; a field's own
+``AfterValidator`` functions, called). Models with before / wrap validators are never
+checked quickly. A model's after-validators (derived fields) run on the sender thread;
+one that raised there would reject the record there (counted in ``rejected``, logged).
+"""
+
+from __future__ import annotations
+
+import typing
+from datetime import datetime, timezone
+from functools import lru_cache
+from typing import Any, Callable
+
+import annotated_types
+from pydantic import AfterValidator
+from pydantic.fields import FieldInfo
+
+from ..schemas import Record
+from ..schemas.envelope import MAX_YEAR, MIN_YEAR
+
+UTC = timezone.utc
+Check = Callable[[Any], bool]
+
+# The envelope's time must fall in these years (Record._plausible_time); as Unix times.
+EARLIEST_TIME = datetime(MIN_YEAR, 1, 1, tzinfo=UTC).timestamp()
+LATEST_TIME = datetime(MAX_YEAR + 1, 1, 1, tzinfo=UTC).timestamp()
+
+_EXACT_FLOAT_INT = 2**53  # an int a float field takes without rounding
+
+
+class DeferredRecord:
+    """A log call's checked values; ``build()`` makes the record (on the sender thread)."""
+
+    __slots__ = ("model", "envelope", "time", "id_prefix", "id_number", "fields")
+
+    def __init__(self, model: type[Record], envelope: dict, time: float, id_prefix: str,
+                 id_number: int, fields: dict):
+        self.model = model
+        self.envelope = envelope
+        self.time = time
+        self.id_prefix = id_prefix
+        self.id_number = id_number
+        self.fields = fields
+
+    @property
+    def kind(self) -> str:
+        return self.model.kind
+
+    def build(self) -> Record:
+        return self.model(**self.envelope, time=datetime.fromtimestamp(self.time, UTC),
+                          event_id=f"{self.id_prefix}-{self.id_number}", **self.fields)
+
+
+def passes_quick_check(model: type[Record], fields: dict) -> bool:
+    """True when the schema is sure to take these values (see the module's docstring)."""
+    checks = field_checks(model)
+    if checks is None:
+        return False
+    for name, value in fields.items():
+        check = checks.get(name)
+        if check is None or not check(value):
+            return False
+    return True
+
+
+@lru_cache(maxsize=None)
+def field_checks(model: type[Record]) -> dict[str, Check] | None:
+    """name -> check, for the fields of ``model`` a caller sets whose declaration the
+    quick check models; None when no call to this model may skip pydantic."""
+    decorators = model.__pydantic_decorators__
+    if any(d.info.mode != "after" for d in decorators.model_validators.values()):
+        return None
+    if model.model_config.get("strict") or model.model_config.get("extra") != "forbid":
+        return None
+    validated = {name for d in decorators.field_validators.values() for name in d.info.fields}
+    if "*" in validated:
+        return None
+    checks = {}
+    for name, info in model.model_fields.items():
+        if name in Record.model_fields or name in validated:
+            continue  # the envelope is the producer's; a field validator is pydantic's to run
+        check = _number_check(info)
+        if check is not None:
+            checks[name] = check
+    return checks
+
+
+def _number_check(info: FieldInfo) -> Check | None:
+    """A check for an int or float field (optionally None), or None for any other."""
+    annotation, constraints = info.annotation, list(info.metadata)
+    nullable = False
+    if typing.get_origin(annotation) is typing.Union:
+        args = typing.get_args(annotation)
+        if len(args) != 2 or type(None) not in args:
+            return None
+        nullable = True
+        annotation = args[0] if args[1] is type(None) else args[1]
+    if typing.get_origin(annotation) is typing.Annotated:
+        annotation, *extra = typing.get_args(annotation)
+        for item in extra:  # Field(ge=..) inside Annotated carries its own metadata
+            constraints.extend(item.metadata if isinstance(item, FieldInfo) else [item])
+    if annotation not in (int, float):
+        return None
+    bounds, validators = [], []
+    for item in constraints:
+        if isinstance(item, annotated_types.Ge):
+            bounds.append(lambda v, b=item.ge: v >= b)
+        elif isinstance(item, annotated_types.Le):
+            bounds.append(lambda v, b=item.le: v <= b)
+        elif isinstance(item, annotated_types.Gt):
+            bounds.append(lambda v, b=item.gt: v > b)
+        elif isinstance(item, annotated_types.Lt):
+            bounds.append(lambda v, b=item.lt: v < b)
+        elif isinstance(item, AfterValidator):
+            validators.append(item.func)
+        else:
+            return None  # a constraint the quick check does not model: pydantic's
+    is_float = annotation is float
+
+    def check(value: Any) -> bool:
+        if value is None:
+            return nullable
+        kind = type(value)
+        if kind is not annotation and not (is_float and kind is int
+                                           and -_EXACT_FLOAT_INT <= value <= _EXACT_FLOAT_INT):
+            return False
+        for within in bounds:
+            if not within(value):  # (NaN is within no bound: pydantic judges it)
+                return False
+        for validate in validators:
+            try:
+                validate(float(value) if is_float else value)
+            except Exception:
+                return False
+        return True
+
+    return check
