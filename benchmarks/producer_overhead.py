@@ -39,18 +39,40 @@ def step_fields(i: int) -> dict:
 
 # -- one case, in its own process ------------------------------------------------------
 
-def process_cpu_s() -> float:
-    """CPU seconds of this process (all threads, at nanosecond resolution) and every live
-    child process (in clock ticks, 10 ms: the cases last long enough to hold many)."""
-    import psutil
+class ProcessCpu:
+    """CPU seconds of this process (all threads, at nanosecond resolution) and of its child
+    processes (in clock ticks, 10 ms: the cases last long enough to hold many).
 
-    total = time.process_time()
-    for child in psutil.Process().children(recursive=True):
-        try:
-            total += sum(child.cpu_times()[:2])
-        except psutil.Error:
-            pass
-    return total
+    Finding the children walks every process on the machine (milliseconds of CPU), so it
+    is done outside the measured interval: this process's clock is read last at the start
+    and first at the end, and the children's times around it."""
+
+    def __init__(self):
+        import psutil
+
+        self._psutil = psutil
+        self._children = psutil.Process().children(recursive=True)
+        self._start = self._children_s() + self._own_s()
+
+    def _own_s(self) -> float:
+        return time.process_time()
+
+    def _children_s(self, children=None) -> float:
+        total = 0.0
+        for child in self._children if children is None else children:
+            try:
+                total += sum(child.cpu_times()[:2])
+            except self._psutil.Error:
+                pass
+        return total
+
+    def used_s(self) -> float:
+        own = self._own_s()
+        total = own + self._children_s()
+        # A child started during the interval counts whole.
+        now = self._psutil.Process().children(recursive=True)
+        total += self._children_s([c for c in now if c not in self._children])
+        return total - self._start
 
 
 def make_logger(library: str, bootstrap: str, tmp: str):
@@ -84,7 +106,7 @@ def run_case(library: str, case: str, seconds: float, bootstrap: str) -> dict:
         time.sleep(1.0)  # let start-up work (connections, the first delivery) settle
         clock = time.perf_counter_ns
         timings: list[float] = []
-        cpu0, t0 = process_cpu_s(), time.monotonic()
+        cpu, t0 = ProcessCpu(), time.monotonic()
         if case == "idle":
             time.sleep(seconds)
             steps = 0
@@ -105,7 +127,7 @@ def run_case(library: str, case: str, seconds: float, bootstrap: str) -> dict:
                 log(i)
                 timings.append((clock() - started) / 1000.0)
             time.sleep(max(0.0, t0 + (steps + 1) / rate - time.monotonic()))  # its last interval
-        cpu, elapsed = process_cpu_s() - cpu0, time.monotonic() - t0
+        cpu, elapsed = cpu.used_s(), time.monotonic() - t0
         close()
     timings.sort()
     return {"cpu_s": cpu, "elapsed_s": elapsed, "steps": steps,
