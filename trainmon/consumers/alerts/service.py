@@ -67,6 +67,7 @@ class AlertService(runtime.Sink):
         self._publisher: AlertPublisher | None = None
         self._alert_log: AlertLog | None = None
         self._unpublished: list[AlertRecord] = []
+        self._put_since_flush = False
         self._checkpoint_at = 0.0
 
     # -- start-up ----------------------------------------------------------------------
@@ -135,7 +136,7 @@ class AlertService(runtime.Sink):
                 self.context.dead_letter(m, f"alert engine failed on this record: {exc!r}")
             self.stats["warmup" if warm else "records"] += 1
         engine.warming_up = False
-        self._put = True
+        self._put_since_flush = True
 
     def tick(self) -> None:
         self.caught_up = self._caught_up()
@@ -143,11 +144,10 @@ class AlertService(runtime.Sink):
             self.ticks += 1
             self._unpublished.extend(self.engine.tick(time.time()))
 
-    _put = False  # records put since the last flush
 
     def flush_in_s(self) -> float | None:
         # A checkpoint falling due counts as something to flush; a poll waits poll_s at most.
-        if self._put or self._unpublished or time.monotonic() >= self._checkpoint_at:
+        if self._put_since_flush or self._unpublished or time.monotonic() >= self._checkpoint_at:
             return 0.0
         return None
 
@@ -158,7 +158,7 @@ class AlertService(runtime.Sink):
             self._publisher.publish(self._unpublished)
             self.stats["alerts"] += len(self._unpublished)
             self._unpublished = []
-        self._put = False
+        self._put_since_flush = False
         if time.monotonic() >= self._checkpoint_at:
             self._checkpoint()
 
