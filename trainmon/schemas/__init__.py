@@ -83,7 +83,10 @@ def decode(kind: str, data: bytes) -> Record:
     if model is None:
         raise DecodeError(kind, f"unknown record kind {kind!r}")
     try:
-        return model.model_validate_json(data)
+        # What model_validate_json calls, without its Python frame and the five keyword
+        # arguments it passes on as None: ~0.4 us less a record (3.4 -> 3.0 us for a step
+        # record), on the path every record a consumer reads takes.
+        return model.__pydantic_validator__.validate_json(data)
     except ValidationError as exc:
         version = _schema_version(data)
         if version is not None and version != SCHEMA_VERSION:
