@@ -102,18 +102,22 @@ class RecordStream:
                             / self._records_per_message))
         raw = self.consumer.poll(timeout_ms / 1000, max_messages=wanted)
         messages: list[Message] = []
+        append = messages.append
         for m in raw:
-            kind = topics.kind_of(m.topic, self.prefix)
+            topic, partition, offset, key = m.topic, m.partition, m.offset, m.key
+            kind = topics.kind_of(topic, self.prefix)
+            # Per record (this loop runs for every record a consumer reads): decode, then
+            # one positional Message with its record.
             for index, value in enumerate(unpack(m.value or b"")):
-                message = Message(kind, m.topic, m.partition, m.offset, m.key, value, index=index)
                 try:
-                    message.record = decode(kind, value)
+                    record = decode(kind, value)
                 except Exception as exc:  # noqa: BLE001 -- one record's problem, never the consumer's
                     reason = exc.reason if isinstance(exc, DecodeError) else \
                         f"cannot decode: {type(exc).__name__}: {exc}"[:500]
-                    self.dead_letter(message, reason)
+                    self.dead_letter(Message(kind, topic, partition, offset, key, value, None, index),
+                                     reason)
                     continue
-                messages.append(message)
+                append(Message(kind, topic, partition, offset, key, value, record, index))
         if raw:
             self._records_per_message = max(1.0, len(messages) / len(raw))
         return messages
