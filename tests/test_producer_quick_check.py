@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 import pytest
 from pydantic import ValidationError
 
-from trainmon.producer.deferred import DeferredRecord, field_checks, passes_quick_check
+from trainmon.producer.deferred import DeferredRecord, field_rules, passes_quick_check
 from trainmon.schemas import Record, StepRecord
 
 ENVELOPE = {"run_id": "quick", "rank": 0, "world_size": 1, "host": "h"}
@@ -27,7 +27,7 @@ def schema_takes(model, fields) -> bool:
 
 @pytest.mark.parametrize("model", list(Record.registry.values()), ids=lambda m: m.kind)
 def test_the_quick_check_passes_nothing_the_schema_refuses(model):
-    checks = field_checks(model) or {}
+    checks = field_rules(model)
     rng = random.Random(model.kind)
     for name in checks:  # every odd value in every checked field, the others left out
         for value in ODD_VALUES:
@@ -73,4 +73,4 @@ def test_anything_else_goes_to_pydantic_on_the_callers_thread(fields):
 def test_every_number_field_of_a_step_is_checked_quickly():
     numbers = [n for n, f in StepRecord.model_fields.items()
                if n not in Record.model_fields and n not in ("losses", "timers")]
-    assert sorted(field_checks(StepRecord)) == sorted(numbers)
+    assert sorted(field_rules(StepRecord)) == sorted(numbers)

@@ -19,9 +19,9 @@ one that raised there would reject the record there (counted in ``rejected``, lo
 
 from __future__ import annotations
 
+import math
 import typing
 from datetime import datetime, timezone
-from functools import lru_cache
 from typing import Any, Callable
 
 import annotated_types
@@ -32,7 +32,6 @@ from ..schemas import Record
 from ..schemas.envelope import MAX_YEAR, MIN_YEAR
 
 UTC = timezone.utc
-Check = Callable[[Any], bool]
 
 # The envelope's time must fall in these years (Record._plausible_time); as Unix times.
 EARLIEST_TIME = datetime(MIN_YEAR, 1, 1, tzinfo=UTC).timestamp()
@@ -64,42 +63,72 @@ class DeferredRecord:
                           event_id=f"{self.id_prefix}-{self.id_number}", **self.fields)
 
 
+class _Rule(typing.NamedTuple):
+    """What a number field takes: its type, None or not, inclusive bounds, validators."""
+
+    number: type  # int or float
+    nullable: bool
+    low: float
+    high: float
+    validators: tuple
+
+
 def passes_quick_check(model: type[Record], fields: dict) -> bool:
-    """True when the schema is sure to take these values (see the module's docstring)."""
-    checks = field_checks(model)
-    if checks is None:
+    """True when the schema is sure to take these values (see the module's docstring).
+    One flat loop: on the training thread, every function call counts."""
+    rules = _RULES.get(model)
+    if rules is None:
+        rules = _RULES[model] = field_rules(model)
+    if not rules:
         return False
     for name, value in fields.items():
-        check = checks.get(name)
-        if check is None or not check(value):
+        rule = rules.get(name)
+        if rule is None:
             return False
+        if value is None:
+            if rule.nullable:
+                continue
+            return False
+        kind = type(value)
+        if kind is not rule.number and not (kind is int and rule.number is float
+                                            and -_EXACT_FLOAT_INT <= value <= _EXACT_FLOAT_INT):
+            return False
+        if not rule.low <= value <= rule.high:  # (NaN is within no bounds: pydantic judges it)
+            return False
+        for validate in rule.validators:
+            try:
+                validate(value)
+            except Exception:
+                return False
     return True
 
 
-@lru_cache(maxsize=None)
-def field_checks(model: type[Record]) -> dict[str, Check] | None:
-    """name -> check, for the fields of ``model`` a caller sets whose declaration the
-    quick check models; None when no call to this model may skip pydantic."""
+_RULES: dict[type[Record], dict[str, _Rule]] = {}
+
+
+def field_rules(model: type[Record]) -> dict[str, _Rule]:
+    """name -> rule, for the fields of ``model`` a caller sets whose declaration the quick
+    check models; empty when no call to this model may skip pydantic."""
     decorators = model.__pydantic_decorators__
     if any(d.info.mode != "after" for d in decorators.model_validators.values()):
-        return None
+        return {}
     if model.model_config.get("strict") or model.model_config.get("extra") != "forbid":
-        return None
+        return {}
     validated = {name for d in decorators.field_validators.values() for name in d.info.fields}
     if "*" in validated:
-        return None
-    checks = {}
+        return {}
+    rules = {}
     for name, info in model.model_fields.items():
         if name in Record.model_fields or name in validated:
             continue  # the envelope is the producer's; a field validator is pydantic's to run
-        check = _number_check(info)
-        if check is not None:
-            checks[name] = check
-    return checks
+        rule = _number_rule(info)
+        if rule is not None:
+            rules[name] = rule
+    return rules
 
 
-def _number_check(info: FieldInfo) -> Check | None:
-    """A check for an int or float field (optionally None), or None for any other."""
+def _number_rule(info: FieldInfo) -> _Rule | None:
+    """The rule of an int or float field (optionally None), or None for any other."""
     annotation, constraints = info.annotation, list(info.metadata)
     nullable = False
     if typing.get_origin(annotation) is typing.Union:
@@ -114,37 +143,19 @@ def _number_check(info: FieldInfo) -> Check | None:
             constraints.extend(item.metadata if isinstance(item, FieldInfo) else [item])
     if annotation not in (int, float):
         return None
-    bounds, validators = [], []
+    low, high, validators = -math.inf, math.inf, []
     for item in constraints:
         if isinstance(item, annotated_types.Ge):
-            bounds.append(lambda v, b=item.ge: v >= b)
+            low = max(low, item.ge)
         elif isinstance(item, annotated_types.Le):
-            bounds.append(lambda v, b=item.le: v <= b)
-        elif isinstance(item, annotated_types.Gt):
-            bounds.append(lambda v, b=item.gt: v > b)
-        elif isinstance(item, annotated_types.Lt):
-            bounds.append(lambda v, b=item.lt: v < b)
+            high = min(high, item.le)
         elif isinstance(item, AfterValidator):
-            validators.append(item.func)
+            validators.append(_as_float(item.func) if annotation is float else item.func)
         else:
-            return None  # a constraint the quick check does not model: pydantic's
-    is_float = annotation is float
+            return None  # a constraint the quick check does not model (gt, lt, ...): pydantic's
+    return _Rule(annotation, nullable, low, high, tuple(validators))
 
-    def check(value: Any) -> bool:
-        if value is None:
-            return nullable
-        kind = type(value)
-        if kind is not annotation and not (is_float and kind is int
-                                           and -_EXACT_FLOAT_INT <= value <= _EXACT_FLOAT_INT):
-            return False
-        for within in bounds:
-            if not within(value):  # (NaN is within no bound: pydantic judges it)
-                return False
-        for validate in validators:
-            try:
-                validate(float(value) if is_float else value)
-            except Exception:
-                return False
-        return True
 
-    return check
+def _as_float(validate: Callable[[float], Any]) -> Callable[[float], Any]:
+    # pydantic hands a float field's validators the float an int became.
+    return lambda value: validate(float(value))

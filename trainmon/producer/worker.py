@@ -44,10 +44,13 @@ Observer = Callable[[Record], None]
 Rejecter = Callable[[Record, str], None]
 
 
-# While messages are unacknowledged, collect Kafka's failure reports at least this often.
-# A message fails at the earliest after the delivery timeout (5 s) unless Kafka refuses it
-# outright, so a failure waits at most this long to be spilled; records logged at 1 step/s
-# wake the thread sooner anyway, so this adds no wake-up there.
+# Kafka's reports (librdkafka queues one per message, success or not; only a failure runs
+# a callback, which spills the message) are collected at a tick at most this often, and
+# while messages are unacknowledged the thread wakes for them after _ANSWER_WAIT_S. A
+# message fails at the earliest after the delivery timeout (5 s) unless Kafka refuses it
+# outright, so a failure is on disk a second or two later; records logged at 1 step/s
+# wake the thread sooner anyway, so the timed wake adds no wake-up there.
+_SERVE_EVERY_S = 1.0
 _ANSWER_WAIT_S = 2.0
 _YIELD_EVERY = 16  # records encoded between two GIL hand-backs to the training thread
 
@@ -97,6 +100,7 @@ class Worker:
         self._items: queue.SimpleQueue = queue.SimpleQueue()
         self._last_sent = -1e9  # monotonic time of the latest message handed to Kafka
         self._gathering = False  # records come faster than one message per pack window
+        self._served_at = 0.0  # monotonic time Kafka's reports were last collected
         self._start_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._spill = SpillFile(self._spill_dir, self._spill_name)
@@ -218,9 +222,10 @@ class Worker:
     def _tick(self) -> bool:
         """Encode and deliver what is queued; True when told to stop."""
         items = self._next_items()
-        if self._transport.in_flight:
-            # Kafka's failure reports so far (a failed message is spilled). Only messages
-            # handed over before this tick can have one: acknowledged ones leave no report.
+        if self._transport.in_flight and time.monotonic() - self._served_at >= _SERVE_EVERY_S:
+            # Kafka's reports so far (a failed message is spilled). Only messages handed
+            # over before this tick can have one.
+            self._served_at = time.monotonic()
             self._transport.serve()
         entries: list[Entry] = []
         for item in items:
