@@ -160,9 +160,13 @@ def sender(scn: Scenario, prefix: str, bootstrap: str, spill_dir: str, index: in
 
     utc = timezone.utc
     ranks = scn.ranks_of(index)
+    # The record clock runs `speedup` times faster than the wall clock, so the producer's
+    # pack window shrinks by as much: records are packed over as much record time as in a
+    # real run (250 ms), not `speedup` times more.
+    window_ms = ProducerConfig.pack_window_ms / scn.speedup
     producer = Producer(ProducerConfig(bootstrap=bootstrap, topic_prefix=prefix, run_id=scn.run_id,
                                        rank=ranks[0], world_size=scn.ranks, spill_dir=Path(spill_dir),
-                                       queue_size=2_000_000))
+                                       queue_size=2_000_000, pack_window_ms=window_ms))
     rng = random.Random(scn.seed * 7919 + index)
     host = {r: f"node{r // GPUS_PER_NODE:04d}" for r in ranks}
     skew = {n: rng.uniform(0, NODE_SKEW_S) for n in set(host.values())}
