@@ -55,6 +55,10 @@ class Consumer:
             # The default prefetch queue holds up to 64 MiB per consumer; 16 is plenty
             # ahead of one 8 MiB poll and keeps a service's memory modest.
             "queued.max.messages.kbytes": 16 * 1024,
+            # Once that queue is full librdkafka waits this long before fetching again (its
+            # default is a whole second): a consumer draining a backlog then read 60-74k
+            # records/s, with 10 ms over 2M/s.
+            "fetch.queue.backoff.ms": 10,
             # A subscribed topic created later (by another consumer's group, by hand) is
             # noticed within seconds, not at librdkafka's default 5-minute refresh.
             "topic.metadata.refresh.interval.ms": 10_000,

@@ -69,7 +69,7 @@ class Batch:
 class ClickHouseSink(runtime.Sink):
     name = "clickhouse loader"
 
-    def __init__(self, client, *, database: str, max_rows: int = 10_000, max_wait_s: float = 0.5):
+    def __init__(self, client, *, database: str, max_rows: int = 50_000, max_wait_s: float = 0.5):
         self.client = client
         self.database = database
         self.buffers = PartitionBuffers(max_rows, max_wait_s)
@@ -221,7 +221,7 @@ class Loader:
     """The ClickHouse sink on the consumer runtime, reading every record topic."""
 
     def __init__(self, client, *, database: str, group_id: str, topic_prefix: str | None = None,
-                 env: dict | None = None, max_rows: int = 10_000, max_wait_s: float = 0.5,
+                 env: dict | None = None, max_rows: int = 50_000, max_wait_s: float = 0.5,
                  stop: threading.Event | None = None, consumer_settings: dict | None = None):
         self.sink = ClickHouseSink(client, database=database, max_rows=max_rows, max_wait_s=max_wait_s)
         self.stream = RecordStream(group_id, topic_prefix=topic_prefix, env=env, **(consumer_settings or {}))

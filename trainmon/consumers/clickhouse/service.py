@@ -11,6 +11,7 @@ one process.
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
 import sys
@@ -40,8 +41,9 @@ def add_target_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch-rows", type=int, default=10_000,
-                        help="insert when this many rows are buffered (default 10000)")
+    parser.add_argument("--batch-rows", type=int, default=50_000,
+                        help="insert when this many rows are buffered (default 50000: fewer, larger "
+                             "parts; a trickle is inserted by --batch-ms first)")
     parser.add_argument("--batch-ms", type=int, default=500,
                         help="insert buffered rows at the latest after this long (default 500)")
     parser.add_argument("--topic-prefix", default=None,
@@ -69,6 +71,16 @@ def sql_endpoint_for(target: Target, enabled: bool = True):
     finally:
         endpoint.stop()
         client.close()
+
+
+def freeze_start_up_objects() -> None:
+    """Python's full collections walk every object the service made at start (pydantic
+    models, clickhouse-connect, chDB): 2-6 µs per record loaded, measured. Those live for
+    good, so they leave the collector's view, and collections come 70x less often (a
+    loaded batch's records form no cycles; the young generation is what they churn)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 20)
 
 
 def configure_logging() -> None:
@@ -106,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         create_all(client, target.database)
         with sql_endpoint_for(target, not args.no_sql_endpoint):
+            freeze_start_up_objects()
             loader = Loader(client, database=target.database, group_id=args.group,
                             topic_prefix=args.topic_prefix, max_rows=args.batch_rows,
                             max_wait_s=args.batch_ms / 1000, stop=stop,
