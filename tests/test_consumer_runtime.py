@@ -39,6 +39,7 @@ class ListSink(runtime.Sink):
         self.flushed: list = []
         self.attempts = 0
         self.opened: list = []
+        self.stopped = False
 
     def open(self, partitions):
         self.opened += partitions
@@ -60,6 +61,9 @@ class ListSink(runtime.Sink):
             raise runtime.RetriableError("not now")
         self.flushed += self.buffered
         self.buffered = []
+
+    def stop(self):
+        self.stopped = True
 
 
 @pytest.fixture
@@ -94,6 +98,7 @@ def test_commits_follow_a_successful_flush_and_retries_keep_the_records(bootstra
     rt = runtime.SinkRuntime(sink, stream, retry=FAST)
     rt.run(until_flushed(sink, 30))
 
+    assert sink.stopped
     assert [m.record.step for m in sink.flushed] == list(range(30))  # once each, in order
     assert sink.attempts >= 3 and sink.opened
     # Nothing was committed while the flush kept failing; everything once it passed,
@@ -127,6 +132,6 @@ def test_a_stop_while_the_flush_fails_gives_up_after_a_few_tries_and_commits_not
     thread.start()
     thread.join(timeout=60)
     assert not thread.is_alive(), "the runtime did not stop"
-    assert runner.closed and sink.flushed == []
+    assert runner.closed and sink.flushed == [] and sink.stopped  # told, to close its handles
     assert sink.attempts == runtime.STOPPING_ATTEMPTS
     assert all(offset is None for offset in committed_offsets(bootstrap, group, step_topic).values())

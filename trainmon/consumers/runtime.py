@@ -7,7 +7,8 @@ TensorBoard forwarders -- says only what it does with records:
     put(messages)       decoded records, in offset order per partition
     flush()             make everything put so far durable (raise RetriableError if it can't yet)
     close(partitions)   partitions taken away: write what it holds of them, forget them
-    stop()              the runtime is done with it
+    stop()              the runtime is done with it (also when it stops with a batch
+                        not written: the sink knows what it still holds)
 
 and when its batch is due (``flush_in_s``). The runtime owns everything else, the same
 way for all of them:
@@ -214,15 +215,16 @@ class SinkRuntime:
         """Run until ``stop`` is set or ``until(self)`` holds with nothing left to flush;
         then flush, commit, stop the sink and close the stream."""
         try:
-            while not self.stop.is_set():
-                self.step()
-                if until is not None and self.sink.flush_in_s() is None and until(self):
-                    break
-            self.flush_and_commit(final=True)
-            self.sink.stop()
-        except RetriableError as exc:  # only once stopping: retries are unbounded before
-            log.warning("%s: stopped with a batch not written (%s); its records are not committed "
-                        "and are read again at the next start", self.sink.name, exc)
+            try:
+                while not self.stop.is_set():
+                    self.step()
+                    if until is not None and self.sink.flush_in_s() is None and until(self):
+                        break
+                self.flush_and_commit(final=True)
+            except RetriableError as exc:  # only once stopping: retries are unbounded before
+                log.warning("%s: stopped with a batch not written (%s); its records are not "
+                            "committed and are read again at the next start", self.sink.name, exc)
+            self.sink.stop()  # also after that: a sink closes its handles either way
         finally:
             self.close()
 
