@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from .. import topics
-from ..kafka_client import Consumer, KafkaError, Producer, TopicPartition
+from ..kafka_client import Consumer, KafkaError, Producer
 from ..schemas import MAX_RECORDS_PER_MESSAGE, RECORD_TYPES, DecodeError, Record, decode, unpack
 from . import membership
 from .topic_setup import ensure_topics
@@ -142,16 +142,6 @@ class RecordStream:
         }
         self._dlq.send(topics.topic_for(topics.DEADLETTER, self.prefix), json.dumps(body).encode(),
                        key=message.key)
-
-    def commit(self, messages: Iterable[Message] | None = None, offsets: dict | None = None) -> None:
-        """Commit the next offset after the given messages (or explicit offsets)."""
-        if offsets is None:
-            offsets = {}
-            for m in messages or ():
-                tp = TopicPartition(m.topic, m.partition)
-                offsets[tp] = max(offsets.get(tp, -1), m.offset + 1)
-        self._settle_dead_letters()
-        self.consumer.commit(offsets)
 
     def commit_polled(self) -> None:
         """Commit the positions of everything polled so far (dead letters included)."""
