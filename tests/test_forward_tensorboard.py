@@ -67,7 +67,7 @@ def test_tensorboard_resumes_from_committed_offsets_without_duplicates(
     # Crash after the sink flushed a batch but before its offsets were committed.
     sink = TensorBoardSink(logdir)
     crashing = make_forwarder(sink, bootstrap, topic_prefix, "tb-group", logdir / STATE_DIR)
-    monkeypatch.setattr(crashing.stream, "commit_polled", lambda: (_ for _ in ()).throw(OSError("crash")))
+    monkeypatch.setattr(crashing.stream, "commit", lambda offsets: (_ for _ in ()).throw(OSError("crash")))
     with pytest.raises(OSError):
         while True:
             crashing.runtime.step()

@@ -6,6 +6,8 @@ TensorBoard forwarders -- says only what it does with records:
     open(partitions)    partitions given to it; it may ``context.seek`` where each starts
     put(messages)       decoded records, in offset order per partition
     flush()             make everything put so far durable (raise RetriableError if it can't yet)
+    pre_commit(pos)     of those positions, what is written (default: all; a sink writing
+                        in the background says what it has not written yet)
     close(partitions)   partitions taken away: write what it holds of them, forget them
     stop()              the runtime is done with it (also when it stops with a batch
                         not written: the sink knows what it still holds)
@@ -15,8 +17,8 @@ way for all of them:
 
 - polling, on one thread; rebalance callbacks run inside the poll, so ``open`` / ``close``
   never race ``put`` / ``flush``; records polled for a partition since taken away are dropped;
-- commits: the offsets of everything put, right after ``flush`` returned, never before
-  (a commit Kafka refuses, e.g. during a rebalance, is tried again a little later);
+- commits: right after ``flush`` returned, the offsets ``pre_commit`` says are written,
+  never more (a commit Kafka refuses, e.g. during a rebalance, is tried again a little later);
 - dead letters: records that do not decode (RecordStream) and those a sink refuses
   (``context.dead_letter``) go to the dead-letter topic, durably before their offsets commit;
 - one retry policy (:class:`RetryPolicy`, tenacity): a RetriableError from ``put`` or
@@ -106,6 +108,12 @@ class Sink:
 
     def flush(self) -> None:
         pass
+
+    def pre_commit(self, positions: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
+        """Kafka Connect's preCommit: of the positions read up to (next offsets), what may
+        be committed now. All of them by default (``flush`` wrote everything put); a sink
+        that writes in the background returns, per partition, its first offset not written."""
+        return positions
 
     def close(self, partitions: list[TopicPartition]) -> None:
         pass
@@ -247,14 +255,16 @@ class SinkRuntime:
 
     def _commit(self) -> None:
         dead_letters = self.stream.dead_letters
+        positions = self.stream.positions()
+        offsets = self.sink.pre_commit(positions)
         try:
-            self.stream.commit_polled()
+            self.stream.commit(offsets)
         except KafkaError as exc:  # e.g. a rebalance under way: the next flush commits
             self._next_commit_at = time.monotonic() + COMMIT_RETRY_S
             log.warning("%s: Kafka commit failed (trying again in %.0f s): %s", self.sink.name,
                         COMMIT_RETRY_S, exc)
             return
-        self._put_since_commit = False
+        self._put_since_commit = offsets != positions  # the rest once the sink wrote it
         self._dead_letters_committed = dead_letters
 
 

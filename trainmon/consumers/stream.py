@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from .. import topics
-from ..kafka_client import Consumer, KafkaError, Producer
+from ..kafka_client import Consumer, KafkaError, Producer, TopicPartition
 from ..schemas import MAX_RECORDS_PER_MESSAGE, RECORD_TYPES, DecodeError, Record, decode, unpack
 from . import membership
 from .topic_setup import ensure_topics
@@ -143,10 +143,18 @@ class RecordStream:
         self._dlq.send(topics.topic_for(topics.DEADLETTER, self.prefix), json.dumps(body).encode(),
                        key=message.key)
 
+    def positions(self) -> dict[TopicPartition, int]:
+        """Where each assigned partition has been read up to (its next offset)."""
+        return self.consumer.consumed()
+
+    def commit(self, offsets: dict[TopicPartition, int]) -> None:
+        """Commit these next-offsets; the dead letters sent so far are durable first."""
+        self._settle_dead_letters()
+        self.consumer.commit(offsets)
+
     def commit_polled(self) -> None:
         """Commit the positions of everything polled so far (dead letters included)."""
-        self._settle_dead_letters()
-        self.consumer.commit_consumed()
+        self.commit(self.positions())
 
     def _settle_dead_letters(self) -> None:
         # Dead letters are durable before their offsets are committed.

@@ -269,9 +269,13 @@ class Consumer:
             self._consumer.commit(offsets=[_TP(tp.topic, tp.partition, o) for tp, o in offsets.items()],
                                   asynchronous=False)
 
+    def consumed(self) -> dict[TopicPartition, int]:
+        """The position of every assigned partition something was read from (or sought)."""
+        return {tp: o for tp, o in self._positions.items() if tp in self._assignment}
+
     def commit_consumed(self) -> None:
         """Commit the position of every assigned partition something was read from."""
-        self.commit({tp: o for tp, o in self._positions.items() if tp in self._assignment})
+        self.commit(self.consumed())
 
     # -- metadata ------------------------------------------------------------------------
 

@@ -43,6 +43,10 @@ class PartitionBuffers:
             return self.max_wait_s
         return max(0.0, self.max_wait_s - (time.monotonic() - self._oldest))
 
+    def first_offsets(self) -> dict[TopicPartition, int]:
+        """The offset of each partition's oldest buffered message."""
+        return {tp: messages[0].offset for tp, messages in self._by_partition.items() if messages}
+
     def take(self, only: set[TopicPartition] | None = None) -> dict[TopicPartition, list[Message]]:
         """Remove and return the buffered batches (all, or those of ``only``)."""
         if only is None:

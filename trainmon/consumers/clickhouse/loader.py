@@ -8,8 +8,11 @@
   ``topic-partition-first-last``; a failed insert is retried with the identical batch
   and token, so an insert that did land but whose answer was lost is dropped by
   ClickHouse instead of duplicated (the runtime's retry policy resumes with that batch).
-- Commit to Kafka after the inserts (for lag monitoring and for partitions that never
-  had a row, e.g. only dead letters).
+- Inserts run on a background thread (:mod:`.writer`) while the runtime polls and
+  decodes the next records; a partition's batches land in order, and whatever fails
+  is taken back and retried on the runtime's thread before anything newer is handed over.
+- Commit to Kafka what is written (``pre_commit``: for lag monitoring and for partitions
+  that never had a row, e.g. only dead letters).
 - On revocation, buffered rows of the revoked partitions are written before the hand-over
   (revocations run inside the runtime's poll, on the thread that inserts, so no batch of a
   partition lands after it was handed over); the next owner starts from ``max(_offset) + 1``.
@@ -41,6 +44,7 @@ from .columns import insert_batch
 from .ddl import create_probe_table
 from .offsets import stored_positions
 from .refusals import blames_rows, month_runs, months_in, partition_limit, refusal
+from .writer import BackgroundWriter
 
 log = logging.getLogger("trainmon.clickhouse")
 
@@ -48,6 +52,7 @@ log = logging.getLogger("trainmon.clickhouse")
 # commit: the window in which a naive consumer duplicates rows.
 _CRASH_AFTER_INSERTS = int(os.environ.get("TRAINMON_CLICKHOUSE_CRASH_AFTER_INSERTS") or 0)
 REVOKE_ATTEMPTS = 3  # a rebalance waits on these tries, not on an outage
+COLLECT_S = 0.1  # while inserts are in flight, how often written batches are committed
 
 
 @dataclass
@@ -75,7 +80,11 @@ class ClickHouseSink(runtime.Sink):
         self.buffers = PartitionBuffers(max_rows, max_wait_s)
         self.rows_inserted = 0
         self.inserts = 0
-        self._unwritten: deque[Batch] = deque()  # taken from the buffers, not yet inserted
+        # Taken back from the writer after a failure: written here, on the runtime's
+        # thread (retried by it), before anything newer is handed to the writer.
+        self._unwritten: deque[Batch] = deque()
+        self.writer = BackgroundWriter(self._insert, lambda b: len(b.messages), "trainmon-clickhouse-insert")
+        self._flushed_at = time.monotonic()
         self._rewind: dict[TopicPartition, int] = {}
         self._receiving = False
         self._reported_at = time.monotonic()
@@ -99,21 +108,55 @@ class ClickHouseSink(runtime.Sink):
         self.buffers.add(messages)
 
     def flush_in_s(self) -> float | None:
-        if not self.buffers.rows and not self._unwritten:
-            return None
-        return 0.0 if self.buffers.due() or self._unwritten else self.buffers.seconds_until_due()
+        if self._unwritten or self.writer.error is not None:
+            return 0.0
+        if self.buffers.rows:
+            return 0.0 if self.buffers.due() else self.buffers.seconds_until_due()
+        if self.writer.pending_rows():  # collect and commit what it writes
+            return max(0.0, self._flushed_at + COLLECT_S - time.monotonic())
+        return None
 
     def room(self) -> int:
         return self.buffers.max_rows - self.buffers.rows
 
     def flush(self) -> None:
-        """Insert every buffered batch, in order; a retry (by the runtime) resumes with the
-        batch that failed, under its same token."""
-        for tp, messages in self.buffers.take().items():
-            self._unwritten.append(Batch(tp, messages))
+        """Hand the buffered batches to the writer, after writing here, in order, what it
+        gave back after a failure (a retry by the runtime resumes with the batch that
+        failed, under its same token). Waits for the writer only while it is a batch
+        behind (memory stays bounded) and, when stopping, until all is written."""
+        self._flushed_at = time.monotonic()
+        while True:
+            self._write_taken_back()
+            if self.buffers.rows:
+                self.writer.wait(rows_at_most=self.buffers.max_rows)
+                if self.writer.error is not None:
+                    continue
+                for tp, messages in self.buffers.take().items():
+                    self.writer.submit(Batch(tp, messages))
+            if self.context.stopping:
+                self.writer.wait()
+                if self.writer.error is not None:
+                    continue
+            return
+
+    def _write_taken_back(self) -> None:
+        if self.writer.error is not None:
+            error = self.writer.error
+            self._unwritten.extend(self.writer.take_back())
+            log.warning("insert %s failed (%s); writing it again", self._unwritten[0].token,
+                        _first_line(error))
         while self._unwritten:
             self._write(self._unwritten[0])
             self._unwritten.popleft()
+
+    def pre_commit(self, positions: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
+        """Per partition, the first offset not written yet (all of it when written)."""
+        first_unwritten: dict[TopicPartition, int] = {}
+        for batch in [*self._unwritten, *self.writer.pending()]:
+            first_unwritten.setdefault(batch.tp, batch.messages[0].offset)
+        for tp, offset in self.buffers.first_offsets().items():
+            first_unwritten.setdefault(tp, offset)
+        return {tp: min(position, first_unwritten.get(tp, position)) for tp, position in positions.items()}
 
     def tick(self) -> None:
         if time.monotonic() - self._reported_at >= 30:
@@ -124,6 +167,9 @@ class ClickHouseSink(runtime.Sink):
         """Hand the partitions over fully written (no Kafka commit needed: the next owner
         starts from the offsets stored in ClickHouse anyway)."""
         log.info("revoking %d partitions; writing what they hold first", len(partitions))
+        self.writer.wait()
+        if self.writer.error is not None:
+            self._unwritten.extend(self.writer.take_back())
         revoked = set(partitions)
         batches = [b for b in self._unwritten if b.tp in revoked]
         self._unwritten = deque(b for b in self._unwritten if b.tp not in revoked)
@@ -141,6 +187,9 @@ class ClickHouseSink(runtime.Sink):
                             batch.tp.partition, len(batch.messages), exc)
 
     # -- writing --------------------------------------------------------------------
+
+    def stop(self) -> None:
+        self.writer.close()
 
     def _write(self, batch: Batch, dead_letter: bool = True, settings: dict | None = None) -> None:
         """Insert one batch; see :mod:`.refusals` for what each error leads to. Errors a
