@@ -72,11 +72,13 @@ def _read(bootstrap: str, topic: str, expected: int, timeout: float, items) -> l
     return out
 
 
-def send_raw(bootstrap: str, messages: list[tuple[str, bytes | None, bytes, int | None]]) -> list[int]:
+def send_raw(bootstrap: str, messages: list[tuple[str, bytes | None, bytes, int | None]],
+             headers: list[tuple[str, bytes]] | None = None) -> list[int]:
     """Raw Kafka messages (topic, key, value, partition or None), past the producer's
     checks (poison, hand-packed batches); their offsets once Kafka has them all."""
     raw = RawProducer(bootstrap=bootstrap)
-    sent = [raw.send(topic, value, key=key, partition=partition) for topic, key, value, partition in messages]
+    sent = [raw.send(topic, value, key=key, partition=partition, headers=headers)
+            for topic, key, value, partition in messages]
     assert raw.flush(30) and not any(d.failed for d in sent), [d.error for d in sent if d.failed]
     return [d.offset for d in sent]
 

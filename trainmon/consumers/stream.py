@@ -19,7 +19,8 @@ from typing import Iterable
 
 from .. import topics
 from ..kafka_client import Consumer, KafkaError, Producer, TopicPartition
-from ..schemas import MAX_RECORDS_PER_MESSAGE, RECORD_TYPES, DecodeError, Record, decode, unpack
+from ..schemas import (MAX_RECORDS_PER_MESSAGE, RECORD_TYPES, SCHEMA_HEADER, DecodeError, Record, decode,
+                       schema_fingerprint, unpack)
 from . import membership
 from .topic_setup import ensure_topics
 
@@ -46,8 +47,14 @@ class RecordStream:
     MAX_RECORDS = 10_000  # per poll, unless the caller asks for fewer
 
     def __init__(self, group_id: str, kinds: Iterable[str] | None = None, *,
-                 topic_prefix: str | None = None, env: dict | None = None, **consumer_settings):
+                 topic_prefix: str | None = None, env: dict | None = None,
+                 undecoded_kinds: Iterable[str] = (), **consumer_settings):
         self.group_id = group_id
+        # Of these kinds, records a trainmon producer with our schemas sent (its header
+        # says so, see schemas.SCHEMA_HEADER) are handed out as bytes (``record`` None),
+        # for a sink that stores them as they are; the sink decodes them should it need to.
+        self._undecoded = frozenset(undecoded_kinds)
+        self._trusted_header = (SCHEMA_HEADER, schema_fingerprint()) if self._undecoded else None
         self.prefix = topics.prefix() if topic_prefix is None else topic_prefix
         self.kinds = list(kinds or RECORD_TYPES)
         self.dead_letters = 0
@@ -106,6 +113,10 @@ class RecordStream:
         for m in raw:
             topic, partition, offset, key = m.topic, m.partition, m.offset, m.key
             kind = topics.kind_of(topic, self.prefix)
+            if kind in self._undecoded and m.headers and self._trusted_header in m.headers:
+                for index, value in enumerate(unpack(m.value or b"")):
+                    append(Message(kind, topic, partition, offset, key, value, None, index))
+                continue
             # Per record (this loop runs for every record a consumer reads): decode, then
             # one positional Message with its record.
             for index, value in enumerate(unpack(m.value or b"")):
@@ -121,6 +132,20 @@ class RecordStream:
         if raw:
             self._records_per_message = max(1.0, len(messages) / len(raw))
         return messages
+
+    def decode(self, messages: list[Message]) -> list[Message]:
+        """Decode the records handed out undecoded; dead-letter those that do not decode.
+        Returns the messages that have their record."""
+        decoded = []
+        for m in messages:
+            if m.record is None:
+                try:
+                    m.record = decode(m.kind, m.value)
+                except DecodeError as exc:
+                    self.dead_letter(m, exc.reason)
+                    continue
+            decoded.append(m)
+        return decoded
 
     def dead_letter(self, message: Message, error: str) -> None:
         """Publish a record we cannot use, with why, and keep going."""

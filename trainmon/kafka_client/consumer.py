@@ -35,6 +35,7 @@ class RawMessage:
     key: bytes | None
     value: bytes | None
     timestamp_ms: int  # the producer's create time, or the broker's with LogAppendTime
+    headers: list[tuple[str, bytes]] | None = None
 
 
 class Consumer:
@@ -187,7 +188,7 @@ class Consumer:
                 continue
             topic, partition, offset = m.topic(), m.partition(), m.offset()
             positions[TopicPartition(topic, partition)] = offset + 1
-            out.append(RawMessage(topic, partition, offset, m.key(), m.value(), m.timestamp()[1]))
+            out.append(RawMessage(topic, partition, offset, m.key(), m.value(), m.timestamp()[1], m.headers()))
         return out
 
     def seek(self, tp: TopicPartition, offset: int) -> None:

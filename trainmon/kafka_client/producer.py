@@ -43,9 +43,12 @@ class Producer:
         config.update(overrides)
         self._producer = _Producer(config)
 
-    def send(self, topic: str, value: bytes, key: bytes | None = None, partition: int | None = None) -> Delivery:
+    def send(self, topic: str, value: bytes, key: bytes | None = None, partition: int | None = None,
+             headers: list[tuple[str, bytes]] | None = None) -> Delivery:
         delivery = Delivery()
         where = {} if partition is None else {"partition": partition}
+        if headers:
+            where["headers"] = headers
         try:
             self._producer.produce(topic, value=value, key=key, on_delivery=delivery._report, **where)
         except BufferError:  # the local queue is full: make room, then try once more

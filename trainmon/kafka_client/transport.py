@@ -161,6 +161,10 @@ class ConfluentTransport:
                 "on_delivery": self._report,
             })
             self._reports_successes = self._on_ack is not None
+            from ..schemas import SCHEMA_HEADER, schema_fingerprint
+
+            # Says the records are this trainmon's validated encoding (see schemas.SCHEMA_HEADER).
+            self._headers = [(SCHEMA_HEADER, schema_fingerprint())]
             try:
                 self._producer = Producer(conf)
             except Exception as exc:  # a bad setting: say so, keep the records
@@ -175,7 +179,7 @@ class ConfluentTransport:
         topic, key, value = entry
         producer = self._producer if self._producer is not None else self._connect()
         try:
-            producer.produce(topic, value=value, key=key)
+            producer.produce(topic, value=value, key=key, headers=self._headers)
         except BufferError as exc:  # max_in_flight_messages unanswered: Kafka is away or slow
             raise TransportUnavailable(f"{len(producer)} messages unacknowledged by Kafka") from exc
         except Exception as exc:

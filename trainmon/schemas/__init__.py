@@ -10,7 +10,9 @@ have ready into one message, as OTLP exporters do with spans.
 
 from __future__ import annotations
 
+import hashlib
 import json
+from functools import cache
 
 from pydantic import ValidationError
 
@@ -122,9 +124,25 @@ def json_schemas() -> dict[str, dict]:
     return {kind: model.model_json_schema() for kind, model in RECORD_TYPES.items()}
 
 
+# A Kafka header on the messages trainmon's producer sends: their records are its own
+# encoding (``encode``) of records it validated against the schemas fingerprinted there,
+# as a schema registry's id says which schema a message was written with. A consumer
+# with the same fingerprint may store such a message's records as they are, without
+# decoding them again (see the ClickHouse loader); any other message it validates.
+SCHEMA_HEADER = "trainmon-schema"
+
+
+@cache
+def schema_fingerprint() -> bytes:
+    """A digest of every record kind's JSON schema (fields, types, bounds, defaults)."""
+    text = json.dumps([SCHEMA_VERSION, json_schemas()], sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32].encode()
+
+
 __all__ = [
-    "MAX_MESSAGE_BYTES", "MAX_RECORDS_PER_MESSAGE", "RECORD_TYPES", "SCHEMA_VERSION", "STEP_KINDS", "DecodeError",
-    "Record", "count", "decode", "encode", "json_schemas", "pack", "unpack",
+    "MAX_MESSAGE_BYTES", "MAX_RECORDS_PER_MESSAGE", "RECORD_TYPES", "SCHEMA_HEADER", "SCHEMA_VERSION",
+    "STEP_KINDS", "DecodeError", "Record", "count", "decode", "encode", "json_schemas", "pack",
+    "schema_fingerprint", "unpack",
     "StepRecord", "EvalRecord", "MoeRecord", "GpuRecord", "AllocatorRecord", "AllocatorSegment",
     "DatasetRecord", "GpuModelRecord", "RunRecord", "AlertRecord", "GpuHealthRecord",
     "CheckpointRecord", "DiskRecord", "LogEventRecord",

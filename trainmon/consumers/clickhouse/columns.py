@@ -7,12 +7,13 @@ The consumer service uses :func:`insert_batch` with Kafka coordinates and a dedu
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from typing import Iterable, Sequence
 
 from ...schemas import RECORD_TYPES, Record
 from .client import DEFAULT_DATABASE
-from .ddl import BOOKKEEPING, Column, data_columns
+from .ddl import BOOKKEEPING, Column, _identity, _or_empty_dict, _or_empty_list, data_columns
 from .rollups import INSERT_SETTINGS
 
 KAFKA_COLUMNS = ("_topic", "_partition", "_offset")
@@ -22,6 +23,13 @@ KAFKA_COLUMNS = ("_topic", "_partition", "_offset")
 # insert time; the same merge happens in the background anyway, every read that needs one
 # row per key says FINAL, and the rollups' views group each block themselves.
 _SETTINGS = {**INSERT_SETTINGS, "optimize_on_insert": 0}
+# Inserts of records as JSON lines (insert_json). A field the table lacks is an error, not
+# a column silently left out; times carry their zone (``Z`` or ``+02:00``, which the
+# "basic" format refuses); a batch (~17 MB at 50,000 step records) is parsed in 1 MiB
+# chunks on every core, not in one 10 MiB chunk (the default) on one: 20-30 % faster here.
+_JSON_SETTINGS = {**_SETTINGS, "input_format_skip_unknown_fields": 0,
+                  "date_time_input_format": "best_effort",
+                  "min_chunk_bytes_for_parallel_parsing": 1 << 20}
 
 
 @lru_cache(maxsize=None)
@@ -73,6 +81,29 @@ def insert_batch(client, kind: str, records: Sequence[Record], *, database: str 
         settings["insert_deduplication_token"] = dedup_token
     client.insert(table or f"{database}.{kind}", values, column_names=names,
                   column_type_names=_type_names(kind), column_oriented=True, settings=settings)
+
+
+@lru_cache(maxsize=None)
+def json_ready(kind: str) -> bool:
+    """Whether ClickHouse reads a record of this kind from its JSON encoding (``encode``)
+    exactly as :func:`insert_batch` writes it: every column holds its field as it is, an
+    absent (None) field being the column's NULL / empty default. Not so for kinds with
+    Nested sub-records or free-form JSON text columns."""
+    plain = (_identity, _or_empty_dict, _or_empty_list)
+    return all(c.extract in plain for c in _columns(kind))
+
+
+def insert_json(client, kind: str, lines: Sequence[bytes], *, database: str,
+                kafka: tuple[str, int, Sequence[int]], dedup_token: str,
+                settings: dict | None = None) -> None:
+    """Insert records of a :func:`json_ready` kind from their JSON encoding, as they came
+    from Kafka: ClickHouse parses them, nothing is built in Python but each line's
+    bookkeeping prefix. Each line must be a JSON object (``{...}``)."""
+    topic, partition, offsets = kafka
+    head = b'{"_topic":%s,"_partition":%d,"_offset":' % (json.dumps(topic).encode(), partition)
+    body = b"\n".join([b"%s%d,%s" % (head, offset, line[1:]) for offset, line in zip(offsets, lines)])
+    client.raw_insert(f"{database}.{kind}", None, body, fmt="JSONEachRow",
+                      settings={**_JSON_SETTINGS, **(settings or {}), "insert_deduplication_token": dedup_token})
 
 
 def insert_records(client, records: Iterable[Record], database: str = DEFAULT_DATABASE) -> int:

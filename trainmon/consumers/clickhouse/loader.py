@@ -37,10 +37,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ...kafka_client import TopicPartition
+from ...schemas import RECORD_TYPES
 from .. import runtime
 from ..stream import Message, RecordStream
 from .batches import PartitionBuffers
-from .columns import insert_batch
+from .columns import insert_batch, insert_json, json_ready
 from .ddl import create_probe_table
 from .offsets import stored_positions
 from .refusals import blames_rows, month_runs, months_in, partition_limit, refusal
@@ -131,13 +132,26 @@ class ClickHouseSink(runtime.Sink):
                 self.writer.wait(rows_at_most=self.buffers.max_rows)
                 if self.writer.error is not None:
                     continue
-                for tp, messages in self.buffers.take().items():
-                    self.writer.submit(Batch(tp, messages))
+                for batch in self._batches(self.buffers.take()):
+                    self.writer.submit(batch)
             if self.context.stopping:
                 self.writer.wait()
                 if self.writer.error is not None:
                     continue
             return
+
+    def _batches(self, taken: dict[TopicPartition, list[Message]]) -> list[Batch]:
+        """One batch per partition, each either all records as they came (JSON) or all
+        decoded: a partition mixing messages of a trainmon producer with others (another
+        writer, an older trainmon) has the former decoded here, on the runtime's thread."""
+        batches = []
+        for tp, messages in taken.items():
+            undecoded = sum(m.record is None for m in messages)
+            if 0 < undecoded < len(messages):
+                messages = self.context.stream.decode(messages)
+            if messages:
+                batches.append(Batch(tp, messages))
+        return batches
 
     def _write_taken_back(self) -> None:
         if self.writer.error is not None:
@@ -173,7 +187,7 @@ class ClickHouseSink(runtime.Sink):
         revoked = set(partitions)
         batches = [b for b in self._unwritten if b.tp in revoked]
         self._unwritten = deque(b for b in self._unwritten if b.tp not in revoked)
-        batches += [Batch(tp, messages) for tp, messages in self.buffers.take(only=revoked).items()]
+        batches += self._batches(self.buffers.take(only=revoked))
         for batch in batches:
             try:
                 # No dead-lettering in a rebalance: a refused record is read again by
@@ -202,6 +216,17 @@ class ClickHouseSink(runtime.Sink):
             if not refusal(exc):
                 raise
             error = exc
+        if any(m.record is None for m in batch.messages):
+            # Stored as they came and refused: decode them (dead-lettering what does not
+            # decode) and go on with the records, as for any batch.
+            if not dead_letter:
+                raise runtime.RetriableError(f"insert {batch.token}: {_first_line(error)}") from error
+            log.warning("batch %s refused as JSON (%s); decoding its records", batch.token, _first_line(error))
+            batch.messages = self.context.stream.decode(batch.messages)
+            batch.token += "-decoded"
+            if batch.messages:
+                self._write(batch, dead_letter, settings)
+            return
         limit = partition_limit(error)
         if limit is not None and settings is None:
             runs = month_runs(batch.messages, limit)
@@ -232,9 +257,13 @@ class ClickHouseSink(runtime.Sink):
 
     def _insert(self, batch: Batch, settings: dict | None = None) -> None:
         messages = batch.messages
-        insert_batch(self.client, messages[0].kind, [m.record for m in messages],
-                     database=self.database, dedup_token=batch.token, settings=settings,
-                     kafka=(batch.tp.topic, batch.tp.partition, [m.offset for m in messages]))
+        kafka = (batch.tp.topic, batch.tp.partition, [m.offset for m in messages])
+        if messages[0].record is None and all(m.record is None for m in messages):
+            insert_json(self.client, messages[0].kind, [m.value for m in messages], database=self.database,
+                        kafka=kafka, dedup_token=batch.token, settings=settings)
+        else:  # decoded, all of them (see _batches)
+            insert_batch(self.client, messages[0].kind, [m.record for m in messages], database=self.database,
+                         dedup_token=batch.token, settings=settings, kafka=kafka)
         self.rows_inserted += len(messages)
         self.inserts += 1
         if _CRASH_AFTER_INSERTS and self.inserts >= _CRASH_AFTER_INSERTS:
@@ -273,7 +302,10 @@ class Loader:
                  env: dict | None = None, max_rows: int = 50_000, max_wait_s: float = 0.5,
                  stop: threading.Event | None = None, consumer_settings: dict | None = None):
         self.sink = ClickHouseSink(client, database=database, max_rows=max_rows, max_wait_s=max_wait_s)
-        self.stream = RecordStream(group_id, topic_prefix=topic_prefix, env=env, **(consumer_settings or {}))
+        # Records a trainmon producer validated go into ClickHouse as the JSON they came as.
+        self.stream = RecordStream(group_id, topic_prefix=topic_prefix, env=env,
+                                   undecoded_kinds=[k for k in RECORD_TYPES if json_ready(k)],
+                                   **(consumer_settings or {}))
         self.runtime = runtime.SinkRuntime(self.sink, self.stream, stop=stop)
 
     @property

@@ -1,0 +1,110 @@
+"""Records a trainmon producer validated go into ClickHouse as the JSON they came as.
+
+The producer marks its messages with the fingerprint of its schemas
+(``schemas.SCHEMA_HEADER``); the loader stores the records of such a message without
+decoding them (ClickHouse parses the JSON), and validates everything else. These tests
+check that both ways store the same rows, that a marked message ClickHouse refuses is
+decoded and dead-lettered record by record like any other, and that a message without
+the mark (or with another schema's) is validated as before."""
+
+from __future__ import annotations
+
+import base64
+import json
+import tempfile
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from trainmon import topics
+from trainmon.consumers.clickhouse.client import Target, connect
+from trainmon.consumers.clickhouse.columns import insert_batch, insert_json, json_ready
+from trainmon.consumers.clickhouse.ddl import create_all
+from trainmon.schemas import RECORD_TYPES, SCHEMA_HEADER, StepRecord, encode, pack, schema_fingerprint
+
+from .clickhouse_service import ClickHouseService, run_trainmon
+from .clickhouse_service import kill_leftover_services  # noqa: F401 (autouse fixture)
+from .conftest import read_topic, send_raw
+from .test_clickhouse_roundtrip import every_kind
+
+TRUSTED = [(SCHEMA_HEADER, schema_fingerprint())]
+T0 = datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=timezone.utc)
+
+
+@pytest.fixture(scope="module")
+def chdb_client():
+    with tempfile.TemporaryDirectory() as tmp:
+        client = connect(Target(path=f"{tmp}/chdb"))
+        for database in ("as_json", "as_columns"):
+            create_all(client, database)
+        yield client
+        client.close()
+
+
+def test_kinds_with_sub_records_or_free_form_json_are_not_stored_as_json():
+    assert json_ready("step") and json_ready("gpu") and json_ready("eval")
+    assert not json_ready("allocator")  # Nested stats columns
+    assert not json_ready("run")  # config: free-form JSON kept as text
+
+
+@pytest.mark.parametrize("kind", [k for k in RECORD_TYPES if json_ready(k)])
+def test_json_and_column_inserts_store_the_same_rows(chdb_client, kind):
+    records = [r for r in every_kind() if r.kind == kind]
+    if kind == "step":  # a time in another zone is stored as the same instant
+        records.append(records[0].model_copy(update={
+            "event_id": "ev-zone", "time": T0.astimezone(timezone(timedelta(hours=2)))}))
+    offsets = list(range(len(records)))
+    insert_json(chdb_client, kind, [encode(r) for r in records], database="as_json",
+                kafka=("t", 0, offsets), dedup_token=f"json-{kind}")
+    insert_batch(chdb_client, kind, records, database="as_columns", kafka=("t", 0, offsets),
+                 dedup_token=f"columns-{kind}")
+
+    def rows(database):
+        return chdb_client.query(f"SELECT * EXCEPT _inserted_at FROM {database}.{kind} "
+                                 "ORDER BY event_id").result_rows
+    assert repr(rows("as_json")) == repr(rows("as_columns"))  # as text: NaN equals NaN
+    assert len(rows("as_json")) == len(records)
+
+
+def step(i: int, **fields) -> StepRecord:
+    base = dict(step=i, epoch=0, step_tokens=1, duration_ms=1, loss=1.0, norm=1, lr=1)
+    return StepRecord(run_id="trusted", rank=0, world_size=1, host="h", time=T0 + timedelta(seconds=i),
+                      event_id=f"t-{i}", **{**base, **fields})
+
+
+def test_refused_marked_records_are_decoded_and_dead_lettered_alone(bootstrap, topic_prefix, tmp_path):
+    """Marked messages, one with a record ClickHouse refuses (a CHECK constraint) and one
+    with a line that is not JSON; in another partition one marked with another schema's
+    fingerprint and an unmarked one: every good record lands once, the two bad ones are
+    dead-lettered with their reasons."""
+    path = tmp_path / "chdb"
+    assert run_trainmon(bootstrap, "clickhouse", "init", "--path", str(path)).returncode == 0
+    done = run_trainmon(bootstrap, "sql", "--path", str(path),
+                        "ALTER TABLE trainmon.step ADD CONSTRAINT sane_loss CHECK loss < 100")
+    assert done.returncode == 0, done.stderr
+    step_topic = topics.topic_for("step", topic_prefix)
+    refused = step(2, loss=1000.0)
+    send_raw(bootstrap, [(step_topic, b"k", pack([encode(step(0)), encode(step(1)), encode(refused)]), 0),
+                         (step_topic, b"k", pack([encode(step(3)), b'{"step": 4,']), 0)], headers=TRUSTED)
+    # Partition 1: not marked as ours, so decoded as they are read.
+    send_raw(bootstrap, [(step_topic, b"k", encode(step(5)), 1)],
+             headers=[(SCHEMA_HEADER, b"another-schema")])
+    send_raw(bootstrap, [(step_topic, b"k", encode(step(6)), 1)])
+
+    service = ClickHouseService(bootstrap, topic_prefix, path, tmp_path / "svc.log").start()
+    try:
+        service.wait_for("SELECT groupArray(step) FROM (SELECT step FROM trainmon.step ORDER BY step)",
+                         [0, 1, 3, 5, 6])
+        letters = [json.loads(m.value) for m in
+                   read_topic(bootstrap, topics.topic_for(topics.DEADLETTER, topic_prefix), 2)]
+        by_index = {(letter["offset"], letter["index"]): letter for letter in letters}
+        assert set(by_index) == {(0, 2), (1, 1)}
+        assert "sane_loss" in by_index[0, 2]["error"]
+        assert base64.b64decode(by_index[0, 2]["value_base64"]) == encode(refused)
+        assert "not JSON" in by_index[1, 1]["error"]
+        # The marked messages were stored as JSON first (and refused as such).
+        assert "refused as JSON" in service.log.read_text()
+        assert service.rows("SELECT count() AS n, uniqExact(event_id) AS u FROM trainmon.step") == \
+            [{"n": 5, "u": 5}]
+    finally:
+        assert service.stop() == 0
