@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from trainmon.producer import worker as worker_module
+from trainmon.producer.deferred import DeferredRecord
 from trainmon.schemas import RunRecord, decode, encode
 from trainmon.schemas.jsonsafe import CIRCULAR, TOO_DEEP, json_safe
 
@@ -56,6 +57,14 @@ def test_a_record_that_cannot_be_encoded_is_rejected_alone(make_producer, bootst
         return real_encode(record)
 
     monkeypatch.setattr(worker_module, "encode", encode_failing_step_3)
+    # Records of plain numbers are written without pydantic (DeferredRecord.encode).
+    real_deferred_encode = DeferredRecord.encode
+    def deferred_encode_failing_step_3(record):
+        if record.fields["step"] == 3:
+            raise RuntimeError("cannot encode step 3")
+        return real_deferred_encode(record)
+
+    monkeypatch.setattr(DeferredRecord, "encode", deferred_encode_failing_step_3)
     producer = make_producer()
     for step in range(6):
         producer.log_step(step, step_tokens=10, duration_ms=5, loss=1.0, norm=1.0, lr=1e-3)

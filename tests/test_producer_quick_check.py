@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from trainmon.producer.deferred import DeferredRecord, field_rules, passes_quick_check
-from trainmon.schemas import Record, StepRecord
+from trainmon.schemas import Record, StepRecord, decode, encode
 
 ENVELOPE = {"run_id": "quick", "rank": 0, "world_size": 1, "host": "h"}
 ODD_VALUES = [0, 1, -1, 7, 2**53, 2**53 + 1, -2**63, 2**63 - 1, 2**63, 2**70, 0.0, -0.0, 0.5, -0.5,
@@ -74,3 +74,41 @@ def test_every_number_field_of_a_step_is_checked_quickly():
     numbers = [n for n, f in StepRecord.model_fields.items()
                if n not in Record.model_fields and n not in ("losses", "timers")]
     assert sorted(field_rules(StepRecord)) == sorted(numbers)
+
+
+def _all_numbers_may_do(model) -> bool:
+    """A record of this kind can be logged with numbers only (so checked quickly)."""
+    checks = field_rules(model)
+    return bool(checks) and not any(f.is_required() and n not in checks and n not in Record.model_fields
+                                    for n, f in model.model_fields.items())
+
+
+@pytest.mark.parametrize("model", [m for m in Record.registry.values() if _all_numbers_may_do(m)],
+                         ids=lambda m: m.kind)
+def test_a_quickly_checked_record_is_written_as_pydantic_writes_it(model):
+    """DeferredRecord.encode (no pydantic) and the built record's JSON hold the same record:
+    ints in float fields become floats, defaults and derived fields are there, None is not."""
+    checks = field_rules(model)
+    rng = random.Random(model.kind)
+    required = {n: 1 for n, f in model.model_fields.items() if f.is_required() and n in checks}
+    written = 0
+    for number in range(3000):
+        fields = dict(required)
+        for name in rng.sample(sorted(checks), k=rng.randint(0, len(checks))):
+            fields[name] = rng.choice(ODD_VALUES)
+        if not passes_quick_check(model, fields) or _required_missing(model, fields):
+            continue
+        when = 1.7e9 + rng.choice([0, 0.5, 0.000001, 0.123456])
+        deferred = DeferredRecord(model, ENVELOPE, when, "prefix", number, fields)
+        built = encode(deferred.build())
+        assert decode(model.kind, deferred.encode()) == decode(model.kind, built), fields
+        written += 1
+    assert written > 100
+
+
+def test_a_training_loops_step_is_written_byte_for_byte_as_pydantic_writes_it():
+    fields = dict(step=12, epoch=0.5, step_tokens=524288, duration_ms=812, loss=2.25, norm=0.9,
+                  lr=0.5, loss_scale=65536.0, skipped=0, tflops_per_gpu=None)
+    for when in (1.7e9, 1.7e9 + 0.25):
+        deferred = DeferredRecord(StepRecord, ENVELOPE, when, "prefix", 7, fields)
+        assert deferred.encode() == encode(deferred.build())

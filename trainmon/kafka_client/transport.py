@@ -106,6 +106,10 @@ _LEFT_IN_PARENT: list = []  # a forked child must never destroy its parent's cli
 
 
 class ConfluentTransport:
+    # librdkafka's produce only queues the message (or raises BufferError when its queue
+    # is full): the producer lets a log call send its own record (producer/worker.py).
+    sends_without_blocking = True
+
     def __init__(self, config: TransportSettings, on_undelivered: Undelivered):
         self._config = config
         self._on_undelivered = on_undelivered

@@ -16,7 +16,15 @@ quiet spell leaves at once; none waits longer than the window. A bulk source set
 ``linger_s`` to pack more per message. Kafka reports failed messages only (they are
 spilled); those are collected at each wake, and every few seconds while messages are
 unacknowledged; a flush collects them at once. While records wait in the spill file, it
-wakes at their retry time. At 1 step/s that is one wake per step; at 10, one per window.
+wakes at their retry time. At 10 steps/s that is one wake per window.
+
+A record logged after a quiet spell, while the thread waits for work with everything
+before it acknowledged, is sent by the log call itself (``_send_now``): building and
+handing one record to librdkafka (whose produce never blocks) costs the training thread
+less than waking a second thread with cold caches to do it. Meanwhile the thread
+watches: it wakes every ``_WATCH_S`` while the log calls send, to collect Kafka's reports
+(a failed message is spilled), and waits for a record alone after a watch in which none
+was sent. At 1 step/s that is one wake per ``_WATCH_S`` instead of one per step.
 """
 
 from __future__ import annotations
@@ -53,6 +61,10 @@ Rejecter = Callable[[Record, str], None]
 _SERVE_EVERY_S = 1.0
 _ANSWER_WAIT_S = 2.0
 _YIELD_EVERY = 16  # records encoded between two GIL hand-backs to the training thread
+# While log calls send their own records, the thread wakes this often to collect Kafka's
+# reports: a message Kafka gives up on (after the 5 s delivery timeout) is on disk within
+# this much more, even if the loop logs nothing after it.
+_WATCH_S = 10.0
 
 
 class _Flush:
@@ -64,6 +76,15 @@ class _Flush:
 
 class _Stop:
     pass
+
+
+class _Encoded:
+    """A record a log call encoded but could not hand to Kafka itself: the thread sends it."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self, entry: Entry):
+        self.entry = entry
 
 
 class Worker:
@@ -88,6 +109,10 @@ class Worker:
             "trainmon: dropped a %s record: %s", record.kind, reason))
         self.sent = 0
         self.dropped = 0  # records that could be kept neither in Kafka nor in the spill file
+        # Log calls may send their own records after a quiet spell (see the module's
+        # docstring) where nothing of theirs waits on a file (the observers) and the
+        # client's send never blocks (librdkafka's; kafka-python's may wait for metadata).
+        self._quiet_calls_send = yield_to_caller and not linger_s and not self._observers
         self._reset()
         self_ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: (w := self_ref()) and w._reset())
@@ -109,6 +134,16 @@ class Worker:
         self._retry_at = 0.0
         self._backoff = 0.5
         self._closed = False
+        # Held by the sender thread except while it waits; a log call sends its own record
+        # only when it can take the lock at once and the thread is watching (not working,
+        # every record queued before delivered).
+        self._lock = threading.Lock()
+        self._watching = False
+        self._watch_next = False  # the next wait for records watches (see _wait)
+        self._sent_by_callers = 0
+        self._serving_for_caller = False  # Kafka's reports are being collected by a log call
+        self._callers_may_send = (self._quiet_calls_send
+                                  and getattr(self._transport, "sends_without_blocking", False))
 
     @property
     def spilled(self) -> int:
@@ -126,6 +161,10 @@ class Worker:
     def submit(self, topic: str, key: bytes, record: Record | DeferredRecord) -> None:
         if self._thread is None:
             self._start()
+        if (self._watching and type(record) is DeferredRecord
+                and time.monotonic() - self._last_sent >= self._pack_window_s
+                and self._send_now(topic, key, record)):
+            return
         if self._items.qsize() >= self._queue_size:
             # The worker is far behind: keep memory bounded and the record safe on disk.
             entry = self._entry(topic, key, record)
@@ -133,6 +172,42 @@ class Worker:
                 self._keep([entry])
             return
         self._items.put((topic, key, record))
+        # After the put, not before: from here on no log call sends by itself until the
+        # thread has delivered this record (a record sent at once would overtake it).
+        self._watching = False
+
+    def _send_now(self, topic: str, key: bytes, record: DeferredRecord) -> bool:
+        """Send a record on the caller's thread; False where the thread must do it."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            if not self._watching or self._closed:
+                return False
+            # Kafka's reports of earlier messages first (librdkafka counts a message until
+            # its report is collected, even a success): only with every one of them
+            # answered, and none failed, may this record go ahead of the thread.
+            self._serving_for_caller = True
+            try:
+                self._transport.serve()
+            finally:
+                self._serving_for_caller = False
+            if self._transport.in_flight or self._spill.count or time.monotonic() < self._retry_at:
+                return False
+            entry = self._entry(topic, key, record)
+            if entry is None:  # rejected (counted and logged)
+                return True
+            try:
+                self._transport.send(entry)
+            except TransportUnavailable:
+                self._items.put(_Encoded(entry))  # the thread spills it and backs off
+                self._watching = False
+                return True
+            self.sent += 1
+            self._sent_by_callers += 1
+            self._last_sent = time.monotonic()
+            return True
+        finally:
+            self._lock.release()
 
     def _start(self) -> None:
         with self._start_lock:
@@ -146,6 +221,7 @@ class Worker:
             self._start()
         marker = _Flush(timeout)
         self._items.put(marker)
+        self._watching = False
         marker.done.wait(timeout + 1.0)
         return marker.ok
 
@@ -156,6 +232,7 @@ class Worker:
         self._closed = True
         if self._thread is not None:
             self._items.put(_Stop())
+            self._watching = False
             self._thread.join(timeout + 1.0)
         self._transport.close(timeout=max(0.5, timeout / 2))
         if self._spill.count:
@@ -174,23 +251,47 @@ class Worker:
     # -- worker thread -------------------------------------------------------------
 
     def _run(self) -> None:
-        try:
-            self._keep(claim_orphans(self._spill_dir, own=self._spill.path))
-        except OSError as exc:  # an unreadable spill directory: nothing of earlier runs to send
-            log.warning("trainmon: cannot read the spill directory %s: %s", self._spill_dir, exc)
-        while True:
+        with self._lock:
             try:
-                if self._tick():
-                    return
-            except Exception:  # last resort: this thread is every later record's way to Kafka
-                log.exception("trainmon: the producer's sender thread hit an error; it goes on")
+                self._keep(claim_orphans(self._spill_dir, own=self._spill.path))
+            except OSError as exc:  # an unreadable spill directory: nothing of earlier runs to send
+                log.warning("trainmon: cannot read the spill directory %s: %s", self._spill_dir, exc)
+            while True:
+                try:
+                    if self._tick():
+                        return
+                except Exception:  # last resort: this thread is every later record's way to Kafka
+                    log.exception("trainmon: the producer's sender thread hit an error; it goes on")
+
+    def _wait(self, timeout: float | None):
+        """The next queued item, waiting up to timeout (None: for ever) without the lock;
+        None when the time passed. Watches (log calls may send) where it can."""
+        watch = self._callers_may_send and self._watch_next and not self._spill.count
+        if watch:
+            timeout = _WATCH_S if timeout is None else min(timeout, _WATCH_S)
+            sent_before = self._sent_by_callers
+            self._watching = True
+            if self._items.qsize():  # (a record put before the flag was set)
+                self._watching = False
+        self._lock.release()
+        try:
+            return self._items.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        finally:
+            self._lock.acquire()
+            self._watching = False
+            if watch:
+                # Watch again while log calls send; a watch without one ends it, and the
+                # next record wakes the thread.
+                self._watch_next = self._sent_by_callers != sent_before
 
     def _next_items(self) -> list:
         """What is queued, once there is something to do ([] when only a timed duty is)."""
         if self._gathering:
             # Sleep out the window instead of being woken per record; a window that
             # gathered nothing ends this, and the next record wakes the thread again.
-            time.sleep(max(0.0, self._last_sent + self._pack_window_s - time.monotonic()))
+            self._sleep(self._last_sent + self._pack_window_s - time.monotonic())
             items = self._drain([])
             self._gathering = bool(items)
             return items
@@ -198,18 +299,24 @@ class Worker:
         if self._spill.count:
             retry_in = max(0.01, self._retry_at - time.monotonic())
             timeout = retry_in if timeout is None else min(timeout, retry_in)
-        try:
-            first = self._items.get(timeout=timeout)
-        except queue.Empty:
+        first = self._wait(timeout)
+        if first is None:
             return []
-        if isinstance(first, tuple):
+        if isinstance(first, (tuple, _Encoded)):
             if self._linger_s:
-                time.sleep(self._linger_s)  # a bulk source: let more records join this one
+                self._sleep(self._linger_s)  # a bulk source: let more records join this one
             elif (wait := self._last_sent + self._pack_window_s - time.monotonic()) > 0:
                 # Records come faster than one message per window: this one joins the next.
-                time.sleep(wait)
+                self._sleep(wait)
                 self._gathering = True
         return self._drain([first])
+
+    def _sleep(self, seconds: float) -> None:
+        self._lock.release()
+        try:
+            time.sleep(max(0.0, seconds))
+        finally:
+            self._lock.acquire()
 
     def _drain(self, items: list) -> list:
         try:
@@ -229,6 +336,9 @@ class Worker:
             self._transport.serve()
         entries: list[Entry] = []
         for item in items:
+            if type(item) is _Encoded:
+                entries.append(item.entry)
+                continue
             if isinstance(item, tuple):
                 entry = self._encode(item)
                 if entry is not None:
@@ -270,6 +380,8 @@ class Worker:
         thread."""
         if type(record) is DeferredRecord:
             try:
+                if not self._observers:  # (they are handed records)
+                    return record, record.encode()
                 record = record.build()
             except Exception as exc:  # (the quick check vouched for its fields)
                 self._reject(record, f"{type(exc).__name__}: {exc}")
@@ -282,6 +394,8 @@ class Worker:
 
     def _checked(self, topic: str, key: bytes, record: Record, value: bytes) -> Entry | None:
         if len(value) > self._max_record_bytes:
+            if type(record) is DeferredRecord:
+                record = record.build()  # (numbers only: never this large in practice)
             self._reject(record, too_large(record, len(value), self._max_record_bytes))
             return None
         return topic, key, value
@@ -313,6 +427,7 @@ class Worker:
         self._backoff = 0.5
         if messages:
             self._last_sent = time.monotonic()
+            self._watch_next = True
 
     def _undelivered(self, entries: list[Entry]) -> None:
         """Kafka gave up on these (no acknowledgement within the delivery timeout: the
@@ -321,7 +436,13 @@ class Worker:
         Runs where the client reports deliveries (the worker's thread for librdkafka,
         kafka-python's own thread). They were counted as sent when handed over."""
         self.sent -= sum(count(value) for _, _, value in entries)
-        self._keep(entries)
+        if self._serving_for_caller:
+            # The thread writes them to the spill file, not the training loop's call.
+            for entry in entries:
+                self._items.put(_Encoded(entry))
+            self._watching = False
+        else:
+            self._keep(entries)
         self._retry_at = max(self._retry_at, time.monotonic() + self._backoff)
         self._backoff = min(self._backoff * 2, 5.0)
 
