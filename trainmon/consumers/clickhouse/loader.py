@@ -216,9 +216,12 @@ class ClickHouseSink(runtime.Sink):
             if not refusal(exc):
                 raise
             error = exc
-        if any(m.record is None for m in batch.messages):
-            # Stored as they came and refused: decode them (dead-lettering what does not
-            # decode) and go on with the records, as for any batch.
+        limit = partition_limit(error)
+        if (blames_rows(error) or limit is not None) and any(m.record is None for m in batch.messages):
+            # Stored as they came and refused for their rows: decode them (dead-lettering
+            # what does not decode) and go on with the records, as for any batch. (An error
+            # that does not blame the rows is retried as it is, under the same token: the
+            # insert may have landed with its answer lost.)
             if not dead_letter:
                 raise runtime.RetriableError(f"insert {batch.token}: {_first_line(error)}") from error
             log.warning("batch %s refused as JSON (%s); decoding its records", batch.token, _first_line(error))
@@ -227,7 +230,6 @@ class ClickHouseSink(runtime.Sink):
             if batch.messages:
                 self._write(batch, dead_letter, settings)
             return
-        limit = partition_limit(error)
         if limit is not None and settings is None:
             runs = month_runs(batch.messages, limit)
             if len(runs) > 1:
