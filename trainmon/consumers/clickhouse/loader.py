@@ -93,6 +93,9 @@ class ClickHouseSink(runtime.Sink):
     # -- the sink contract -------------------------------------------------------------
 
     def open(self, partitions: list[TopicPartition]) -> None:
+        # One query at a time per client: a server's HTTP session refuses a second one
+        # while the writer's insert runs (SESSION_IS_LOCKED).
+        self.writer.wait()
         stored = stored_positions(self.client, self.database, partitions, self.context.stream.prefix)
         for tp in partitions:
             rewind = self._rewind.pop(tp, None)
