@@ -20,6 +20,7 @@ from trainmon import topics
 from trainmon.consumers.clickhouse.client import Target, connect
 from trainmon.consumers.clickhouse.columns import insert_batch, insert_json, json_ready
 from trainmon.consumers.clickhouse.ddl import create_all
+from trainmon.consumers.clickhouse.loader import stored_as_they_come
 from trainmon.schemas import RECORD_TYPES, SCHEMA_HEADER, StepRecord, encode, pack, schema_fingerprint
 
 from .clickhouse_service import ClickHouseService, run_trainmon
@@ -45,6 +46,8 @@ def test_kinds_with_sub_records_or_free_form_json_are_not_stored_as_json():
     assert json_ready("step") and json_ready("gpu") and json_ready("eval")
     assert not json_ready("allocator")  # Nested stats columns
     assert not json_ready("run")  # config: free-form JSON kept as text
+    assert "step" in stored_as_they_come({}) and "run" not in stored_as_they_come({})
+    assert stored_as_they_come({"TRAINMON_CLICKHOUSE_VALIDATE_ALL": "1"}) == []
 
 
 @pytest.mark.parametrize("kind", [k for k in RECORD_TYPES if json_ready(k)])

@@ -307,9 +307,8 @@ class Loader:
                  env: dict | None = None, max_rows: int = 50_000, max_wait_s: float = 0.5,
                  stop: threading.Event | None = None, consumer_settings: dict | None = None):
         self.sink = ClickHouseSink(client, database=database, max_rows=max_rows, max_wait_s=max_wait_s)
-        # Records a trainmon producer validated go into ClickHouse as the JSON they came as.
         self.stream = RecordStream(group_id, topic_prefix=topic_prefix, env=env,
-                                   undecoded_kinds=[k for k in RECORD_TYPES if json_ready(k)],
+                                   undecoded_kinds=stored_as_they_come(env),
                                    **(consumer_settings or {}))
         self.runtime = runtime.SinkRuntime(self.sink, self.stream, stop=stop)
 
@@ -327,6 +326,16 @@ class Loader:
         self.runtime.run(until)
         log.info("stopped: %d rows inserted in %d inserts, %d dead letters", self.sink.rows_inserted,
                  self.sink.inserts, self.stream.dead_letters)
+
+
+def stored_as_they_come(env: dict | None = None) -> list[str]:
+    """The kinds whose records a trainmon producer validated go into ClickHouse as the JSON
+    they came as (see schemas.SCHEMA_HEADER); none with TRAINMON_CLICKHOUSE_VALIDATE_ALL=1,
+    which has every record decoded and validated here too."""
+    env = os.environ if env is None else env
+    if (env.get("TRAINMON_CLICKHOUSE_VALIDATE_ALL") or "").strip().lower() in ("1", "true", "yes", "on"):
+        return []
+    return [kind for kind in RECORD_TYPES if json_ready(kind)]
 
 
 def _first_line(exc: BaseException) -> str:
