@@ -1,5 +1,5 @@
 """The consumer runtime's contract, with a sink of its own on the real broker: offsets are
-committed only after a flush returned, a retriable failure is retried with the same
+committed only after a flush returned and only as far as the sink's pre_commit says is written, a retriable failure is retried with the same
 records, a crash or a stop in the middle of failing commits nothing, poison is dead-lettered."""
 
 from __future__ import annotations
@@ -135,3 +135,34 @@ def test_a_stop_while_the_flush_fails_gives_up_after_a_few_tries_and_commits_not
     assert runner.closed and sink.flushed == [] and sink.stopped  # told, to close its handles
     assert sink.attempts == runtime.STOPPING_ATTEMPTS
     assert all(offset is None for offset in committed_offsets(bootstrap, group, step_topic).values())
+
+
+class HoldingSink(ListSink):
+    """Says everything from offset ``hold_at`` on is not written yet (as a sink writing in
+    the background does until its writes land)."""
+
+    def __init__(self, hold_at: int | None):
+        super().__init__()
+        self.hold_at = hold_at
+
+    def pre_commit(self, positions):
+        if self.hold_at is None:
+            return positions
+        return {tp: min(offset, self.hold_at) for tp, offset in positions.items()}
+
+
+def test_the_runtime_commits_only_what_pre_commit_says_is_written(bootstrap, topic_prefix, step_topic):
+    values = step_values(30)
+    send_raw(bootstrap, [(step_topic, b"rt", pack(values[i:i + 10]), 0) for i in range(0, 30, 10)])
+    group = f"rt-{uuid.uuid4().hex[:6]}"
+    holding = HoldingSink(hold_at=1)
+    runtime.SinkRuntime(holding, stream_for(bootstrap, topic_prefix, group), retry=FAST).run(
+        until_flushed(holding, 30))
+    assert committed_offsets(bootstrap, group, step_topic)[0] == 1
+
+    # The group starts again where the commit said: the two messages held back come again.
+    again = HoldingSink(hold_at=None)
+    runtime.SinkRuntime(again, stream_for(bootstrap, topic_prefix, group), retry=FAST).run(
+        until_flushed(again, 20))
+    assert [m.record.step for m in again.flushed] == list(range(10, 30))
+    assert committed_offsets(bootstrap, group, step_topic)[0] == 3
