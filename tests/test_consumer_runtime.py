@@ -1,6 +1,7 @@
 """The consumer runtime's contract, with a sink of its own on the real broker: offsets are
-committed only after a flush returned and only as far as the sink's pre_commit says is written, a retriable failure is retried with the same
-records, a crash or a stop in the middle of failing commits nothing, poison is dead-lettered."""
+committed only after a flush returned, and only as far as the sink's pre_commit says is
+written; a retriable failure is retried with the same records, a crash or a stop in the
+middle of failing commits nothing, poison is dead-lettered."""
 
 from __future__ import annotations
 
