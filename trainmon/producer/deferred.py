@@ -21,12 +21,12 @@ to be valid, so all pydantic would add is converting ints in float fields, the f
 own validators and the model's after-validators (derived fields), which it runs itself.
 Cold, building and serializing a step record with pydantic costs ~150 µs of CPU (its
 validator's code is out of the caches between steps), the JSON written here a fraction.
-The text is pydantic's but for how some floats are spelt (``1e-05`` for ``0.00001``).
+The record is pydantic's, written by pydantic's own JSON writer; only the order of the
+fields may differ (as given, derived ones last).
 """
 
 from __future__ import annotations
 
-import json
 import math
 import typing
 from datetime import datetime, timezone
@@ -36,6 +36,7 @@ from typing import Any, Callable
 import annotated_types
 from pydantic import AfterValidator
 from pydantic.fields import FieldInfo
+from pydantic_core import to_json
 
 from ..schemas import SCHEMA_VERSION, Record
 from ..schemas.envelope import MAX_YEAR, MIN_YEAR
@@ -72,11 +73,11 @@ class DeferredRecord:
                           event_id=f"{self.id_prefix}-{self.id_number}", **self.fields)
 
     def encode(self) -> bytes:
-        """The JSON of ``build()`` (as ``schemas.encode`` writes it), without pydantic."""
-        model = self.model
-        rules = _RULES[model]  # (filled by the quick check that let this record through)
-        order, defaults, derive = _layout(model)
-        values = dict(defaults)
+        """The JSON of ``build()`` (the same record as ``schemas.encode`` writes; the
+        fields in the order given, derived ones last), without pydantic."""
+        rules = _RULES[self.model]  # (filled by the quick check that let this record through)
+        defaults, derive = _layout(self.model)
+        values = _Fields(defaults)
         for name, value in self.fields.items():
             if value is None:
                 continue  # not logged: left out, as encode's exclude_none does
@@ -86,54 +87,33 @@ class DeferredRecord:
             for validate in rule.validators:
                 value = validate(value)
             values[name] = value
-        when = datetime.fromtimestamp(self.time, UTC)
-        event_id = f"{self.id_prefix}-{self.id_number}"
-        if derive:
-            record = _Fields(self.envelope, time=when, event_id=event_id)
-            record.update(values)
-            for validator in derive:
-                validator(record)
-            values = record
-        body = {name: value for name in order if (value := values.get(name)) is not None}
-        text = (f'{_envelope_json(tuple(self.envelope.items()))},'
-                f'"time":"{when.isoformat()[:-6]}Z",'  # (+00:00: the offset of UTC)
-                f'"event_id":{json.dumps(event_id)},"schema_version":{SCHEMA_VERSION}')
-        if body:
-            text += "," + _compact_json(body)[1:]
-        else:
-            text += "}"
-        return text.encode()
-
-
-# json.dumps with any argument builds an encoder per call; NaN and +-inf are written as
-# NaN / Infinity / -Infinity, as pydantic does with ser_json_inf_nan="constants".
-_compact_json = json.JSONEncoder(separators=(",", ":")).encode
-
-
-class _Fields(dict):
-    """A record's values as an after-validator reads and sets them (``self.loss``); a
-    field not given reads as None, its default."""
-
-    __getattr__ = dict.get
-    __setattr__ = dict.__setitem__
-
-
-@lru_cache(maxsize=64)
-def _envelope_json(envelope: tuple) -> str:
-    """'{"run_id":..,"rank":..,"world_size":..,"host":..' of a producer's envelope."""
-    return _compact_json(dict(envelope))[:-1]
+        for validator in derive:
+            validator(values)
+        # pydantic's own JSON writer, on plain values: its spelling of floats, NaN / inf
+        # and times (ser_json_inf_nan="constants"), None left out as encode does.
+        return to_json({**self.envelope, "time": datetime.fromtimestamp(self.time, UTC),
+                        "event_id": f"{self.id_prefix}-{self.id_number}",
+                        "schema_version": SCHEMA_VERSION, **values},
+                       exclude_none=True, inf_nan_mode="constants")
 
 
 @lru_cache(maxsize=None)
-def _layout(model: type[Record]) -> tuple[tuple[str, ...], dict, tuple]:
-    """The model's own fields in declaration order (pydantic writes them so), the defaults
-    that are not None (written too), and its after-validators (which derive fields)."""
-    order = tuple(name for name in model.model_fields if name not in Record.model_fields)
-    defaults = {name: default for name in order
-                if (default := model.model_fields[name].get_default(call_default_factory=True))
+def _layout(model: type[Record]) -> tuple[dict, tuple]:
+    """The model's defaults that are not None (written too), and its after-validators
+    (which derive fields from the others; they read and set only the model's own fields)."""
+    defaults = {name: default for name in model.model_fields if name not in Record.model_fields
+                and (default := model.model_fields[name].get_default(call_default_factory=True))
                 is not None}
     derive = tuple(d.func for d in model.__pydantic_decorators__.model_validators.values())
-    return order, defaults, derive
+    return defaults, derive
+
+
+class _Fields(dict):
+    """A record's own values as an after-validator reads and sets them (``self.loss``);
+    a field not given reads as None, its default."""
+
+    __getattr__ = dict.get
+    __setattr__ = dict.__setitem__
 
 
 class _Rule(typing.NamedTuple):
