@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from trainmon import topics
 from trainmon.consumers.clickhouse.refusals import blames_rows, month_of, month_runs, partition_limit
-from trainmon.schemas import EvalRecord, StepRecord, encode, pack
+from trainmon.schemas import SCHEMA_HEADER, EvalRecord, StepRecord, encode, pack, schema_fingerprint
 
 from .clickhouse_service import ClickHouseService, run_trainmon
 from .clickhouse_service import kill_leftover_services  # noqa: F401 (autouse fixture)
@@ -43,12 +43,15 @@ def evals(n: int) -> list[EvalRecord]:
             for i in range(n)]
 
 
-def send(bootstrap: str, messages: list[tuple[str, int, bytes]]) -> None:
-    send_raw(bootstrap, [(topic, b"months", value, partition) for topic, partition, value in messages])
+def send(bootstrap: str, messages: list[tuple[str, int, bytes]], headers=None) -> None:
+    send_raw(bootstrap, [(topic, b"months", value, partition) for topic, partition, value in messages],
+             headers=headers)
 
 
+# Sent as any writer would, or marked as a trainmon producer's (stored as JSON first).
+@pytest.mark.parametrize("headers", [None, [(SCHEMA_HEADER, schema_fingerprint())]], ids=["plain", "marked"])
 def test_a_batch_over_150_months_loads_and_absurd_times_are_dead_lettered(
-        kafka_broker, bootstrap, topic_prefix, tmp_path):
+        kafka_broker, bootstrap, topic_prefix, tmp_path, headers):
     kafka_broker.create_topics(topics.all_topics(topic_prefix))
     step_topic, eval_topic = topics.topic_for("step", topic_prefix), topics.topic_for("eval", topic_prefix)
     # Partition 0: 150 messages of one record each, in 150 different months.
@@ -60,7 +63,7 @@ def test_a_batch_over_150_months_loads_and_absurd_times_are_dead_lettered(
     send(bootstrap, [(step_topic, 0, encode(r)) for r in spread[:75]] + [(step_topic, 0, absurd)]
          + [(step_topic, 0, encode(r)) for r in spread[75:]]
          + [(step_topic, 1, pack([encode(r) for r in packed]))]
-         + [(eval_topic, 0, encode(r)) for r in evals(3)])
+         + [(eval_topic, 0, encode(r)) for r in evals(3)], headers)
 
     service = ClickHouseService(bootstrap, topic_prefix, tmp_path / "chdb", tmp_path / "svc.log")
     service.start("--batch-ms", "3000")  # everything above in one batch per partition
