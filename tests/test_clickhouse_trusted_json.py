@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
+import random
 import tempfile
 from datetime import datetime, timedelta, timezone
 
@@ -21,12 +22,14 @@ from trainmon.consumers.clickhouse.client import Target, connect
 from trainmon.consumers.clickhouse.columns import insert_batch, insert_json, json_ready
 from trainmon.consumers.clickhouse.ddl import create_all
 from trainmon.consumers.clickhouse.loader import stored_as_they_come
+from trainmon.producer.deferred import DeferredRecord, field_rules, passes_quick_check
 from trainmon.schemas import RECORD_TYPES, SCHEMA_HEADER, StepRecord, encode, pack, schema_fingerprint
 
 from .clickhouse_service import ClickHouseService, run_trainmon
 from .clickhouse_service import kill_leftover_services  # noqa: F401 (autouse fixture)
 from .conftest import read_topic, send_raw
 from .test_clickhouse_roundtrip import every_kind
+from .test_producer_quick_check import ENVELOPE, ODD_VALUES, _all_numbers_may_do, _required_missing
 
 TRUSTED = [(SCHEMA_HEADER, schema_fingerprint())]
 T0 = datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=timezone.utc)
@@ -67,6 +70,35 @@ def test_json_and_column_inserts_store_the_same_rows(chdb_client, kind):
                                  "ORDER BY event_id").result_rows
     assert repr(rows("as_json")) == repr(rows("as_columns"))  # as text: NaN equals NaN
     assert len(rows("as_json")) == len(records)
+
+
+@pytest.mark.parametrize("model", [m for m in RECORD_TYPES.values() if json_ready(m.kind) and _all_numbers_may_do(m)],
+                         ids=lambda m: m.kind)
+def test_what_a_log_call_writes_without_pydantic_is_stored_as_its_record(chdb_client, model):
+    """The producer writes a log call's plain numbers as JSON itself (DeferredRecord.encode,
+    fields in the order given): stored as JSON, the rows are those of the record built."""
+    checks = field_rules(model)
+    rng = random.Random(model.kind)
+    required = {n: 1 for n, f in model.model_fields.items() if f.is_required() and n in checks}
+    deferred = []
+    for number in range(2000):
+        fields = dict(required)
+        for name in rng.sample(sorted(checks), k=rng.randint(0, len(checks))):
+            fields[name] = rng.choice(ODD_VALUES)
+        if passes_quick_check(model, fields) and not _required_missing(model, fields):
+            deferred.append(DeferredRecord(model, ENVELOPE, 1.7e9 + rng.choice([0, 0.5, 0.123456]),
+                                           "deferred", number, fields))
+    assert len(deferred) > 100
+    offsets = list(range(len(deferred)))
+    insert_json(chdb_client, model.kind, [d.encode() for d in deferred], database="as_json",
+                kafka=("t", 1, offsets), dedup_token=f"deferred-json-{model.kind}")
+    insert_batch(chdb_client, model.kind, [d.build() for d in deferred], database="as_columns",
+                 kafka=("t", 1, offsets), dedup_token=f"deferred-columns-{model.kind}")
+
+    def rows(database):
+        return chdb_client.query(f"SELECT * EXCEPT _inserted_at FROM {database}.{model.kind} "
+                                 "WHERE _partition = 1 ORDER BY event_id").result_rows
+    assert repr(rows("as_json")) == repr(rows("as_columns"))
 
 
 def step(i: int, **fields) -> StepRecord:
