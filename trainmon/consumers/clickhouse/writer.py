@@ -25,7 +25,6 @@ class BackgroundWriter(Generic[Batch]):
         self._write = write
         self._size = size
         self._queue: deque[Batch] = deque()  # handed over, not written; [0] is being written
-        self._written: deque[Batch] = deque()  # written, not yet collected by the caller
         self.error: BaseException | None = None  # why _queue[0] failed; the writer waits
         self._closed = False
         self._cond = threading.Condition()
@@ -47,12 +46,6 @@ class BackgroundWriter(Generic[Batch]):
     def pending_rows(self) -> int:
         with self._cond:
             return sum(self._size(b) for b in self._queue)
-
-    def collect(self) -> list[Batch]:
-        """The batches written since the last call, in order."""
-        with self._cond:
-            written, self._written = list(self._written), deque()
-            return written
 
     def wait(self, rows_at_most: int = 0) -> None:
         """Until at most ``rows_at_most`` rows are pending, or the writer stopped at a
@@ -92,5 +85,5 @@ class BackgroundWriter(Generic[Batch]):
                 continue
             with self._cond:
                 self._queue.popleft()
-                self._written.append(batch)
                 self._cond.notify_all()
+            del batch  # written: nothing keeps it (not even this frame, while idle)
