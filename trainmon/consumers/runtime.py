@@ -4,7 +4,8 @@ A sink -- the ClickHouse loader, the alerts engine, the Grafana forwarder, the W
 TensorBoard forwarders -- says only what it does with records:
 
     open(partitions)    partitions given to it; it may ``context.seek`` where each starts
-    put(messages)       decoded records, in offset order per partition
+    put(messages)       decoded records, in offset order per partition (or, of the kinds
+                        the stream was told so, a trainmon producer's records as bytes)
     flush()             make everything put so far durable (raise RetriableError if it can't yet)
     pre_commit(pos)     of those positions, what is written (default: all; a sink writing
                         in the background says what it has not written yet)

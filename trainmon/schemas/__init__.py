@@ -124,11 +124,12 @@ def json_schemas() -> dict[str, dict]:
     return {kind: model.model_json_schema() for kind, model in RECORD_TYPES.items()}
 
 
-# A Kafka header on the messages trainmon's producer sends: their records are its own
-# encoding (``encode``) of records it validated against the schemas fingerprinted there,
-# as a schema registry's id says which schema a message was written with. A consumer
-# with the same fingerprint may store such a message's records as they are, without
-# decoding them again (see the ClickHouse loader); any other message it validates.
+# A Kafka header on the messages trainmon's producer sends: their records are its own JSON
+# (``encode``, or a log call's quick-checked numbers written the same way) of records it
+# validated against the schemas fingerprinted there, as a schema registry's id says which
+# schema a message was written with. A consumer with the same fingerprint may store such
+# a message's records as they are, without decoding them again (see the ClickHouse
+# loader); any other message it validates.
 SCHEMA_HEADER = "trainmon-schema"
 
 
