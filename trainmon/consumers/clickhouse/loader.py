@@ -4,7 +4,7 @@
 - On partition assignment, seek each partition to ``max(_offset) + 1`` as stored in
   ClickHouse: the tables, not Kafka's committed offsets, say what is loaded, so an
   insert that succeeded just before a crash is never read again.
-- Insert one column batch per partition with the dedup token
+- Insert one batch per partition (JSON or columns, see below) with the dedup token
   ``topic-partition-first-last``; a failed insert is retried with the identical batch
   and token, so an insert that did land but whose answer was lost is dropped by
   ClickHouse instead of duplicated (the runtime's retry policy resumes with that batch).
@@ -13,9 +13,10 @@
   is taken back and retried on the runtime's thread before anything newer is handed over.
 - Commit to Kafka what is written (``pre_commit``: for lag monitoring and for partitions
   that never had a row, e.g. only dead letters).
-- On revocation, buffered rows of the revoked partitions are written before the hand-over
-  (revocations run inside the runtime's poll, on the thread that inserts, so no batch of a
-  partition lands after it was handed over); the next owner starts from ``max(_offset) + 1``.
+- On revocation, the insert in flight finishes and buffered rows of the revoked partitions
+  are written before the hand-over (revocations run inside the runtime's poll, which waits
+  for them, so no batch of a partition lands after it was handed over); the next owner
+  starts from ``max(_offset) + 1``.
 - A record ClickHouse cannot take (e.g. one a CHECK constraint refuses) is dead-lettered
   alone; the rest of its batch still goes in as one insert, so no batch is ever half
   written. Errors a retry can fix (connection, timeouts, memory, overload) are retried
@@ -23,7 +24,10 @@
   inserted in consecutive runs (see :mod:`.refusals`).
 
 A Kafka message packs several records (``schemas.pack``); they share its offset, are
-polled together and so always land in the same batch.
+polled together and so always land in the same batch. Records a trainmon producer
+validated (its messages carry the ``schemas.SCHEMA_HEADER`` mark) go in as the JSON they
+came as, for the kinds :func:`.columns.json_ready` allows; the rest as column batches of
+decoded records.
 """
 
 from __future__ import annotations
