@@ -113,22 +113,13 @@ class RecordStream:
         for m in raw:
             topic, partition, offset, key = m.topic, m.partition, m.offset, m.key
             kind = topics.kind_of(topic, self.prefix)
-            if kind in self._undecoded and m.headers and self._trusted_header in m.headers:
-                for index, value in enumerate(unpack(m.value or b"")):
-                    append(Message(kind, topic, partition, offset, key, value, None, index))
-                continue
-            # Per record (this loop runs for every record a consumer reads): decode, then
-            # one positional Message with its record.
+            as_bytes = kind in self._undecoded and m.headers and self._trusted_header in m.headers
+            # Per record (this loop runs for every record a consumer reads): one positional
+            # Message, decoded unless handed out as bytes.
             for index, value in enumerate(unpack(m.value or b"")):
-                try:
-                    record = decode(kind, value)
-                except Exception as exc:  # noqa: BLE001 -- one record's problem, never the consumer's
-                    reason = exc.reason if isinstance(exc, DecodeError) else \
-                        f"cannot decode: {type(exc).__name__}: {exc}"[:500]
-                    self.dead_letter(Message(kind, topic, partition, offset, key, value, None, index),
-                                     reason)
-                    continue
-                append(Message(kind, topic, partition, offset, key, value, record, index))
+                message = Message(kind, topic, partition, offset, key, value, None, index)
+                if as_bytes or self._decoded(message):
+                    append(message)
         if raw:
             self._records_per_message = max(1.0, len(messages) / len(raw))
         return messages
@@ -136,16 +127,18 @@ class RecordStream:
     def decode(self, messages: list[Message]) -> list[Message]:
         """Decode the records handed out undecoded; dead-letter those that do not decode.
         Returns the messages that have their record."""
-        decoded = []
-        for m in messages:
-            if m.record is None:
-                try:
-                    m.record = decode(m.kind, m.value)
-                except DecodeError as exc:
-                    self.dead_letter(m, exc.reason)
-                    continue
-            decoded.append(m)
-        return decoded
+        return [m for m in messages if m.record is not None or self._decoded(m)]
+
+    def _decoded(self, message: Message) -> bool:
+        """Give ``message`` its record, or dead-letter it (False). Whatever decoding raises
+        costs that record only, never the consumer."""
+        try:
+            message.record = decode(message.kind, message.value)
+        except Exception as exc:  # noqa: BLE001 -- one record's problem, never the consumer's
+            self.dead_letter(message, exc.reason if isinstance(exc, DecodeError) else
+                             f"cannot decode: {type(exc).__name__}: {exc}"[:500])
+            return False
+        return True
 
     def dead_letter(self, message: Message, error: str) -> None:
         """Publish a record we cannot use, with why, and keep going."""
