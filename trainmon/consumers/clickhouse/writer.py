@@ -45,14 +45,13 @@ class BackgroundWriter(Generic[Batch]):
 
     def pending_rows(self) -> int:
         with self._cond:
-            return sum(self._size(b) for b in self._queue)
+            return self._rows()
 
     def wait(self, rows_at_most: int = 0) -> None:
         """Until at most ``rows_at_most`` rows are pending, or the writer stopped at a
         failure (``error``)."""
         with self._cond:
-            self._cond.wait_for(lambda: self.error is not None
-                                or sum(self._size(b) for b in self._queue) <= rows_at_most)
+            self._cond.wait_for(lambda: self.error is not None or self._rows() <= rows_at_most)
 
     def take_back(self) -> list[Batch]:
         """After a failure: the batch that failed and all handed over after it, which the
@@ -66,6 +65,9 @@ class BackgroundWriter(Generic[Batch]):
             self._closed = True
             self._cond.notify_all()
         self._thread.join(timeout=60)
+
+    def _rows(self) -> int:  # (holding the lock)
+        return sum(self._size(b) for b in self._queue)
 
     # -- the thread ----------------------------------------------------------------------
 
