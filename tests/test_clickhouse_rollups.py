@@ -39,10 +39,10 @@ out = {
                "sum(duration_ms_sum) / nullIf(sum(duration_ms_count), 0), "
                "if(sum(duration_ms_count) = 0, NULL, argMaxIfMerge(slowest)), "
                "quantileBFloat16IfMerge(0.5)(duration_ms_quantiles), sum(step_tokens), "
-               "sum(loss_sum) / nullIf(sum(loss_count), 0), maxMap(timers_max_ms) "
+               "sum(loss_sum) / nullIf(sum(loss_count), 0) "
                "FROM trainmon.step_stats GROUP BY step ORDER BY step"),
     "exact": q("SELECT step, ranks_reporting, min_duration_ms, max_duration_ms, mean_duration_ms, "
-               "slowest_rank, step_tokens, mean_loss, timers_max_ms FROM trainmon.step_across_ranks ORDER BY step"),
+               "slowest_rank, step_tokens, mean_loss FROM trainmon.step_across_ranks ORDER BY step"),
     "latest": q("SELECT rank, step, duration_ms FROM trainmon.latest_step ORDER BY rank"),
     "buckets": q("SELECT count(), sum(duration_ms_count) FROM trainmon.rank_10s"),
 }
@@ -62,11 +62,10 @@ def test_rollups_match_the_exact_views_and_a_retried_batch_counts_once(tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout)
     exact = {row[0]: row for row in out["exact"]}
-    for step_, rows, lo, hi, mean, slowest, median, tokens, loss, timers in out["stats"]:
+    for step_, rows, lo, hi, mean, slowest, median, tokens, loss in out["stats"]:
         want = exact[step_]
         assert rows == want[1], f"step {step_}: {rows} rows aggregated, {want[1]} ranks reported"
-        assert [lo, hi, mean, slowest, tokens, loss, timers] == \
-            [want[2], want[3], want[4], want[5], want[6], want[7], want[8]]
+        assert [lo, hi, mean, slowest, tokens, loss] == [want[2], want[3], want[4], want[5], want[6], want[7]]
         if step_ < 4:
             assert median == 110.0 + step_  # ranks 0, 1, 2: 100, 110, 120 (+ step)
     assert out["stats"][-1][1:4] == [1, None, None]  # step 4: only the NaN step time
