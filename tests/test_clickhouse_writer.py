@@ -30,7 +30,7 @@ def test_the_writer_stops_at_a_failure_and_gives_back_the_rest_in_order():
         if batch == "b2" and fail.is_set():
             raise OSError("server away")
 
-    writer = BackgroundWriter(write, len, "test-writer")
+    writer = BackgroundWriter([write], len, "test-writer")
     try:
         for batch in ("b1", "b2", "b3"):
             writer.submit(batch)
@@ -46,7 +46,36 @@ def test_the_writer_stops_at_a_failure_and_gives_back_the_rest_in_order():
         assert writer.error is None and writer.pending() == [] and attempts == ["b1", "b2", "b4"]
     finally:
         writer.close()
-    assert not writer._thread.is_alive()
+    assert not any(lane.thread.is_alive() for lane in writer._lanes)
+
+
+def test_lanes_write_partitions_side_by_side_and_keep_each_partition_in_order():
+    release_a1, written, lock = threading.Event(), [], threading.Lock()
+
+    def write(batch):
+        if batch == ("a", 1):
+            assert release_a1.wait(10)
+        if batch == ("b", 2):
+            raise OSError("server away")
+        with lock:
+            written.append(batch)
+
+    writer = BackgroundWriter([write, write], lambda b: 10, "test-lanes", key=lambda b: b[0])
+    try:
+        writer.submit(("a", 1))  # lane 0, held
+        writer.submit(("a", 2))  # behind a1 on lane 0, not on the idle lane
+        writer.submit(("b", 1))  # the idle lane, written while a1 is held
+        writer.submit(("b", 2))  # fails: lane 1 stops; lane 0 goes on
+        writer.wait(rows_at_most=20)
+        assert written == [("b", 1)] and isinstance(writer.error, OSError)
+        assert writer.take_back() == [("b", 2)] and writer.error is None
+        assert writer.pending() == [("a", 1), ("a", 2)]
+        release_a1.set()
+        writer.wait()
+        assert written == [("b", 1), ("a", 1), ("a", 2)] and writer.pending_rows() == 0
+    finally:
+        release_a1.set()
+        writer.close()
 
 
 T0 = datetime(2026, 3, 1, 12, tzinfo=timezone.utc)
@@ -99,7 +128,7 @@ def test_the_writer_keeps_nothing_it_wrote():
     class Batch(list):
         pass
 
-    writer = BackgroundWriter(lambda batch: None, len, "test-writer")
+    writer = BackgroundWriter([lambda batch: None], len, "test-writer")
     try:
         batch = Batch(range(50_000))
         written = weakref.ref(batch)

@@ -14,7 +14,7 @@ from .ddl import create_all, create_table_sql
 from ..runtime import read_to_end_as_of_now
 from .loader import Loader
 from .service import (add_batch_arguments, add_target_arguments, configure_logging,
-                      sql_endpoint_for, target_from)
+                      insert_clients, sql_endpoint_for, target_from)
 from .sql_endpoint import SqlQueryError, find_endpoint, query_endpoint, run_sql
 from .views import VIEWS
 
@@ -109,10 +109,10 @@ def replay_main(argv: list[str] | None = None) -> int:
             return 2
         create_all(client, target.database)
         group = f"trainmon-replay-{uuid.uuid4().hex[:12]}"
-        with sql_endpoint_for(target):
+        with sql_endpoint_for(target), insert_clients(target, args.insert_threads) as inserting:
             loader = Loader(client, database=target.database, group_id=group,
                             topic_prefix=args.topic_prefix, max_rows=args.batch_rows,
-                            max_wait_s=args.batch_ms / 1000,
+                            max_wait_s=args.batch_ms / 1000, insert_clients=inserting,
                             # A throwaway group: a dynamic member leaves it at close, so
                             # it can be deleted (a static member would keep it non-empty).
                             consumer_settings={"group_instance_id": None})

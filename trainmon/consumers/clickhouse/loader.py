@@ -8,9 +8,10 @@
   ``topic-partition-first-last``; a failed insert is retried with the identical batch
   and token, so an insert that did land but whose answer was lost is dropped by
   ClickHouse instead of duplicated (the runtime's retry policy resumes with that batch).
-- Inserts run on a background thread (:mod:`.writer`) while the runtime polls and
-  decodes the next records; a partition's batches land in order, and whatever fails
-  is taken back and retried on the runtime's thread before anything newer is handed over.
+- Inserts run on background threads (:mod:`.writer`; different partitions side by side
+  when given more ``insert_clients``) while the runtime polls and decodes the next
+  records; a partition's batches land in order, and whatever fails is taken back and
+  retried on the runtime's thread before anything newer is handed over.
 - Commit to Kafka what is written (``pre_commit``: for lag monitoring and for partitions
   that never had a row, e.g. only dead letters).
 - On revocation, the insert in flight finishes and buffered rows of the revoked partitions
@@ -32,6 +33,7 @@ decoded records.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import signal
@@ -39,6 +41,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from ...kafka_client import TopicPartition
 from ...schemas import RECORD_TYPES
@@ -58,6 +61,10 @@ log = logging.getLogger("trainmon.clickhouse")
 _CRASH_AFTER_INSERTS = int(os.environ.get("TRAINMON_CLICKHOUSE_CRASH_AFTER_INSERTS") or 0)
 REVOKE_ATTEMPTS = 3  # a rebalance waits on these tries, not on an outage
 COLLECT_S = 0.1  # while inserts are in flight, how often written batches are committed
+# An idle writer gets a batch once it is this fraction of a full one: while it works,
+# the next fills (a backlog still goes in full batches), and a backlog's first insert
+# does not wait for a whole batch to be read first (nor its last one so long).
+EAGER_FRACTION = 10
 
 
 @dataclass
@@ -79,16 +86,21 @@ class Batch:
 class ClickHouseSink(runtime.Sink):
     name = "clickhouse loader"
 
-    def __init__(self, client, *, database: str, max_rows: int = 50_000, max_wait_s: float = 0.5):
+    def __init__(self, client, *, database: str, max_rows: int = 50_000, max_wait_s: float = 0.5,
+                 insert_clients: Sequence = ()):
+        """``insert_clients``: one background insert lane each (see :mod:`.writer`); none:
+        one lane on ``client``, which then never runs a query while that lane inserts."""
         self.client = client
         self.database = database
         self.buffers = PartitionBuffers(max_rows, max_wait_s)
         self.rows_inserted = 0
         self.inserts = 0
+        self._counting = threading.Lock()  # the lanes count their inserts
         # Taken back from the writer after a failure: written here, on the runtime's
         # thread (retried by it), before anything newer is handed to the writer.
         self._unwritten: deque[Batch] = deque()
-        self.writer = BackgroundWriter(self._insert, lambda b: len(b.messages), "trainmon-clickhouse-insert")
+        self.writer = BackgroundWriter([functools.partial(self._insert, client=c) for c in insert_clients or [client]],
+                                       lambda b: len(b.messages), "trainmon-clickhouse-insert", key=lambda b: b.tp)
         self._flushed_at = time.monotonic()
         self._rewind: dict[TopicPartition, int] = {}
         self._receiving = False
@@ -119,7 +131,10 @@ class ClickHouseSink(runtime.Sink):
         if self._unwritten or self.writer.error is not None:
             return 0.0
         if self.buffers.rows:
-            return 0.0 if self.buffers.due() else self.buffers.seconds_until_due()
+            if self.buffers.due() or (self.buffers.rows >= self.buffers.max_rows // EAGER_FRACTION
+                                      and not self.writer.pending_rows()):
+                return 0.0
+            return self.buffers.seconds_until_due()
         if self.writer.pending_rows():  # collect and commit what it writes
             return max(0.0, self._flushed_at + COLLECT_S - time.monotonic())
         return None
@@ -264,18 +279,21 @@ class ClickHouseSink(runtime.Sink):
                       _first_line(error))
         raise runtime.RetriableError(f"insert {batch.token}: {_first_line(error)}") from error
 
-    def _insert(self, batch: Batch, settings: dict | None = None) -> None:
+    def _insert(self, batch: Batch, settings: dict | None = None, client=None) -> None:
+        client = client or self.client
         messages = batch.messages
         kafka = (batch.tp.topic, batch.tp.partition, [m.offset for m in messages])
         if messages[0].record is None and all(m.record is None for m in messages):
-            insert_json(self.client, messages[0].kind, [m.value for m in messages], database=self.database,
+            insert_json(client, messages[0].kind, [m.value for m in messages], database=self.database,
                         kafka=kafka, dedup_token=batch.token, settings=settings)
         else:  # decoded, all of them (see _batches)
-            insert_batch(self.client, messages[0].kind, [m.record for m in messages], database=self.database,
+            insert_batch(client, messages[0].kind, [m.record for m in messages], database=self.database,
                          dedup_token=batch.token, settings=settings, kafka=kafka)
-        self.rows_inserted += len(messages)
-        self.inserts += 1
-        if _CRASH_AFTER_INSERTS and self.inserts >= _CRASH_AFTER_INSERTS:
+        with self._counting:
+            self.rows_inserted += len(messages)
+            self.inserts += 1
+            crash = _CRASH_AFTER_INSERTS and self.inserts >= _CRASH_AFTER_INSERTS
+        if crash:
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _without_culprits(self, batch: Batch) -> list[Message]:
@@ -309,8 +327,10 @@ class Loader:
 
     def __init__(self, client, *, database: str, group_id: str, topic_prefix: str | None = None,
                  env: dict | None = None, max_rows: int = 50_000, max_wait_s: float = 0.5,
-                 stop: threading.Event | None = None, consumer_settings: dict | None = None):
-        self.sink = ClickHouseSink(client, database=database, max_rows=max_rows, max_wait_s=max_wait_s)
+                 stop: threading.Event | None = None, consumer_settings: dict | None = None,
+                 insert_clients: Sequence = ()):
+        self.sink = ClickHouseSink(client, database=database, max_rows=max_rows, max_wait_s=max_wait_s,
+                                   insert_clients=insert_clients)
         self.stream = RecordStream(group_id, topic_prefix=topic_prefix, env=env,
                                    undecoded_kinds=stored_as_they_come(env),
                                    **(consumer_settings or {}))

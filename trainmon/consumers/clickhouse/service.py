@@ -46,6 +46,10 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
                              "parts; a trickle is inserted by --batch-ms first)")
     parser.add_argument("--batch-ms", type=int, default=500,
                         help="insert buffered rows at the latest after this long (default 500)")
+    parser.add_argument("--insert-threads", type=int,
+                        default=int(os.environ.get("TRAINMON_CLICKHOUSE_INSERT_THREADS") or 2),
+                        help="partitions inserted side by side, each thread with its own "
+                             "connection (default: $TRAINMON_CLICKHOUSE_INSERT_THREADS or 2)")
     parser.add_argument("--topic-prefix", default=None,
                         help="topic prefix (default: $TRAINMON_TOPIC_PREFIX or trainmon.)")
 
@@ -55,6 +59,20 @@ def target_from(args) -> Target:
     if args.path and not args.url:  # an explicit --path means the embedded engine
         target = replace(target, url=None)
     return target
+
+
+@contextmanager
+def insert_clients(target: Target, count: int):
+    """``count`` clients of their own for the loader's insert threads (a chDB handle or a
+    server session runs one query at a time)."""
+    clients = []
+    try:
+        for _ in range(max(1, count)):
+            clients.append(connect(target))
+        yield clients
+    finally:
+        for client in clients:
+            client.close()
 
 
 @contextmanager
@@ -117,11 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         create_all(client, target.database)
-        with sql_endpoint_for(target, not args.no_sql_endpoint):
+        with sql_endpoint_for(target, not args.no_sql_endpoint), \
+                insert_clients(target, args.insert_threads) as inserting:
             freeze_start_up_objects()
             loader = Loader(client, database=target.database, group_id=args.group,
                             topic_prefix=args.topic_prefix, max_rows=args.batch_rows,
-                            max_wait_s=args.batch_ms / 1000, stop=stop,
+                            max_wait_s=args.batch_ms / 1000, stop=stop, insert_clients=inserting,
                             consumer_settings={"group_instance_id": args.instance_id}
                             if args.instance_id else None)
             log.info("consuming %s* from %s into %s as group %s (instance %s)",
