@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 import pytest
 from pydantic import ValidationError
 
-from trainmon.producer.deferred import DeferredRecord, field_rules, passes_quick_check
+from trainmon.producer.deferred import DeferredRecord, checked_values, field_rules, passes_quick_check
 from trainmon.schemas import Record, StepRecord, decode, encode
 
 ENVELOPE = {"run_id": "quick", "rank": 0, "world_size": 1, "host": "h"}
@@ -106,9 +106,33 @@ def test_a_quickly_checked_record_is_written_as_pydantic_writes_it(model):
     assert written > 100
 
 
-def test_a_training_loops_step_is_written_byte_for_byte_as_pydantic_writes_it():
-    fields = dict(step=12, epoch=0.5, step_tokens=524288, duration_ms=812, loss=2.25, norm=0.9,
-                  lr=0.5)
+@pytest.mark.parametrize("fields", [
+    dict(step=12, epoch=0.5, step_tokens=524288, duration_ms=812, loss=2.25, norm=0.9, lr=0.5),
+    # no tokens: the derived rate stays None, left out as pydantic leaves it out
+    dict(step=12, epoch=None, duration_ms=812.0, loss=2.25, norm=None, lr=0.5),
+])
+def test_a_training_loops_step_is_written_byte_for_byte_as_pydantic_writes_it(fields):
     for when in (1.7e9, 1.7e9 + 0.25):
         deferred = DeferredRecord(StepRecord, ENVELOPE, when, "prefix", 7, fields)
         assert deferred.encode() == encode(deferred.build())
+        # as a log call hands it over: with the values the quick check wrote
+        values = checked_values(StepRecord, fields)
+        assert DeferredRecord(StepRecord, ENVELOPE, when, "prefix", 7, fields, values).encode() \
+            == encode(deferred.build())
+
+
+def test_a_value_left_out_is_only_one_whose_default_is_none():
+    """The record's JSON leaves out None; a field whose default is not None, given None,
+    would read back as its default, so such a call goes to pydantic."""
+    from typing import Optional
+
+    class WithDefault(StepRecord):
+        kind = "test_with_default"
+        scale: Optional[float] = 1.0
+
+    try:
+        assert checked_values(WithDefault, dict(step=1, loss=1.0, scale=2.0)) is not None
+        assert checked_values(WithDefault, dict(step=1, loss=1.0, scale=None)) is None
+        assert checked_values(WithDefault, dict(step=1, loss=None)) == {"step": 1}
+    finally:
+        Record.registry.pop("test_with_default", None)

@@ -254,3 +254,13 @@ def test_local_json_log_and_console_line(make_producer, tmp_path, capsys):
     assert console[0].startswith(":: step 1 [ 12.5%] - loss 2.0000 | norm 0.1000 | 125.3k tps")
     assert console[1].startswith(":: step 2 [ 25.0%] \\ loss 1.0000")
     assert "|!norm 5.0000" in console[3] and console[3].endswith("eta 00h00m")
+
+
+def test_a_training_loop_sends_uncompressed_and_a_bulk_source_with_lz4():
+    # A training loop's messages hold a few records: lz4 would cost more CPU than it saves.
+    assert ProducerConfig().kafka_compression() is None
+    assert ProducerConfig(linger_ms=20).kafka_compression() == "lz4"  # trainmon ingest
+    assert ProducerConfig.from_env({}, linger_ms=20).kafka_compression() == "lz4"
+    assert ProducerConfig.from_env({"TRAINMON_KAFKA_COMPRESSION": "zstd"}).kafka_compression() == "zstd"
+    assert ProducerConfig.from_env({"TRAINMON_KAFKA_COMPRESSION": ""},
+                                   linger_ms=20).kafka_compression() is None

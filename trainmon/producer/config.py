@@ -39,9 +39,20 @@ def default_run_id(env) -> str:
     return f"run-{uuid.uuid4().hex[:12]}"
 
 
-def default_compression() -> str:
-    """lz4 where its module is installed (a dependency of trainmon), else gzip, which
-    kafka-python always has (at level 9, about ten times the CPU)."""
+# ProducerConfig.compression: chosen by default_compression from how the producer sends.
+AUTO_COMPRESSION = "auto"
+
+
+def default_compression(linger_ms: int = 0) -> str | None:
+    """None for a training loop (``linger_ms`` 0), whose messages hold the few records of
+    one pack window: lz4 barely shrinks them, while setting up its frame for each message
+    (a fresh hash table and output buffer) cost librdkafka's thread ~60 µs of CPU per
+    message with cold caches, measured at 1 step/s (benchmarks/producer_overhead.py).
+    A bulk source packs hundreds of records per message: lz4 where its module is installed
+    (a dependency of trainmon), else gzip, which kafka-python always has (at level 9, about
+    ten times the CPU)."""
+    if not linger_ms:
+        return None
     try:
         import lz4.frame  # noqa: F401
     except ImportError:
@@ -78,7 +89,8 @@ class ProducerConfig:
     # and only while the loop logs more often than once per window.
     pack_window_ms: int = 250
     batch_size: int = 256 * 1024
-    compression: str | None = field(default_factory=lambda: default_compression())
+    # Kafka compression (lz4, gzip, zstd, None); AUTO_COMPRESSION: see default_compression.
+    compression: str | None = AUTO_COMPRESSION
     # Free space of this directory's filesystem, as disk records (see producer/disk.py).
     checkpoint_dir: str | None = None
     disk_interval_s: float = 60.0
@@ -100,7 +112,7 @@ class ProducerConfig:
             enabled=not _flag(env.get("TRAINMON_DISABLED")),
             log_file=env.get("TRAINMON_LOG_FILE") or None,
             console=_flag(env.get("TRAINMON_CONSOLE")),
-            compression=env.get("TRAINMON_KAFKA_COMPRESSION", default_compression()) or None,
+            compression=env.get("TRAINMON_KAFKA_COMPRESSION", AUTO_COMPRESSION) or None,
             checkpoint_dir=env.get("TRAINMON_CHECKPOINT_DIR") or None,
             disk_interval_s=_seconds(env.get("TRAINMON_DISK_INTERVAL_S"), 60.0),
             pack_window_ms=int(_seconds(env.get("TRAINMON_PACK_WINDOW_MS"), 250)),
@@ -110,3 +122,9 @@ class ProducerConfig:
         for key, value in overrides.items():
             setattr(cfg, key, value)
         return cfg
+
+    def kafka_compression(self) -> str | None:
+        """The compression the transport uses."""
+        if self.compression == AUTO_COMPRESSION:
+            return default_compression(self.linger_ms)
+        return self.compression

@@ -3,9 +3,9 @@
 Building and validating a pydantic record is the costliest part of a log call, and at
 training rates it runs with cold caches (a step every 100 ms or more), where it costs tens
 of times its warm price. Most calls pass plain Python ints and floats to number fields;
-for those, ``passes_quick_check`` decides on the training thread, from the model's own
-field declarations, that the schema will take the values, and the record is built (and
-validated) by the sender thread with the others queued in the same moment. Any other
+for those, ``checked_values`` decides on the training thread, from the model's own
+field declarations, that the schema will take the values (and converts them as pydantic
+would), and the record is written as JSON without pydantic (``encode``). Any other
 call -- a value of another type, a field with a type or validator the check does not
 model, a missing or unknown argument -- is validated on the training thread as before,
 so every call the check does not vouch for gets pydantic's verdict at once.
@@ -17,12 +17,12 @@ checked quickly. A model's after-validators (derived fields) run on the sender t
 one that raised there would reject the record there (counted in ``rejected``, logged).
 
 ``encode`` writes such a record's JSON without building the model: the values are known
-to be valid, so all pydantic would add is converting ints in float fields, the fields'
-own validators and the model's after-validators (derived fields), which it runs itself.
-Cold, building and serializing a step record with pydantic costs ~150 µs of CPU (its
-validator's code is out of the caches between steps), the JSON written here a fraction.
-The record is pydantic's, written by pydantic's own JSON writer; only the order of the
-fields may differ (as given, derived ones last).
+to be valid, so all pydantic would add is converting ints in float fields and the fields'
+own validators (the quick check did both), and the model's after-validators (derived
+fields), which it runs itself. Cold, building and serializing a step record with pydantic
+costs ~150 µs of CPU (its validator's code is out of the caches between steps), the JSON
+written here a fraction. The record is pydantic's, written by pydantic's own JSON writer;
+only the order of the fields may differ (as given, derived ones last).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ import math
 import typing
 from datetime import datetime, timezone
 from functools import lru_cache
-from typing import Any, Callable
 
 import annotated_types
 from pydantic import AfterValidator
@@ -53,16 +52,17 @@ _EXACT_FLOAT_INT = 2**53  # an int a float field takes without rounding
 class DeferredRecord:
     """A log call's checked values; ``build()`` makes the record (on the sender thread)."""
 
-    __slots__ = ("model", "envelope", "time", "id_prefix", "id_number", "fields")
+    __slots__ = ("model", "envelope", "time", "id_prefix", "id_number", "fields", "values")
 
     def __init__(self, model: type[Record], envelope: dict, time: float, id_prefix: str,
-                 id_number: int, fields: dict):
+                 id_number: int, fields: dict, values: dict | None = None):
         self.model = model
         self.envelope = envelope
         self.time = time
         self.id_prefix = id_prefix
         self.id_number = id_number
-        self.fields = fields
+        self.fields = fields  # as the call gave them, for build()
+        self.values = values  # as the record holds them (checked_values), for encode()
 
     @property
     def kind(self) -> str:
@@ -74,86 +74,87 @@ class DeferredRecord:
 
     def encode(self) -> bytes:
         """The JSON of ``build()`` (the same record as ``schemas.encode`` writes; the
-        fields in the order given, derived ones last), without pydantic."""
-        rules = _RULES[self.model]  # (filled by the quick check that let this record through)
-        defaults, derive = _layout(self.model)
-        values = _Fields(defaults)
-        for name, value in self.fields.items():
-            if value is None:
-                continue  # not logged: left out, as encode's exclude_none does
-            rule = rules[name]
-            if rule.number is float:
-                value = float(value)
-            for validate in rule.validators:
-                value = validate(value)
-            values[name] = value
-        for validator in derive:
-            validator(values)
+        fields in the order given, defaults before them, derived ones last), without pydantic."""
+        values = self.values if self.values is not None else checked_values(self.model, self.fields)
+        defaults, fields_class, derive = _layout(self.model)
+        written = {**self.envelope, "time": datetime.fromtimestamp(self.time, UTC),
+                   "event_id": f"{self.id_prefix}-{self.id_number}",
+                   "schema_version": SCHEMA_VERSION, **defaults, **values}
+        if derive:
+            record = fields_class()
+            record.__dict__ = written  # what the validators set is written
+            for validator in derive:
+                validator(record)
+            if None in written.values():  # a derived field left unset: not written, as encode does
+                written = {name: value for name, value in written.items() if value is not None}
         # pydantic's own JSON writer, on plain values: its spelling of floats, NaN / inf
-        # and times (ser_json_inf_nan="constants"), None left out as encode does.
-        return to_json({**self.envelope, "time": datetime.fromtimestamp(self.time, UTC),
-                        "event_id": f"{self.id_prefix}-{self.id_number}",
-                        "schema_version": SCHEMA_VERSION, **values},
-                       exclude_none=True, inf_nan_mode="constants")
+        # and times (ser_json_inf_nan="constants").
+        return to_json(written, inf_nan_mode="constants")
 
 
 @lru_cache(maxsize=None)
-def _layout(model: type[Record]) -> tuple[dict, tuple]:
-    """The model's defaults that are not None (written too), and its after-validators
-    (which derive fields from the others; they read and set only the model's own fields)."""
+def _layout(model: type[Record]) -> tuple[dict, type, tuple]:
+    """The model's own defaults that are not None (written too); a class whose instances
+    read as the model's fields (a field not in an instance's dict reads as its default, so
+    an after-validator reading ``self.loss`` of a loss not logged gets None); and the
+    model's after-validators (which derive fields from the others; they read and set only
+    the model's own fields)."""
     defaults = {name: default for name in model.model_fields if name not in Record.model_fields
                 and (default := model.model_fields[name].get_default(call_default_factory=True))
                 is not None}
+    fields_class = type(f"{model.__name__}Fields", (), {
+        name: None if info.is_required() else info.get_default(call_default_factory=True)
+        for name, info in model.model_fields.items()})
     derive = tuple(d.func for d in model.__pydantic_decorators__.model_validators.values())
-    return defaults, derive
-
-
-class _Fields(dict):
-    """A record's own values as an after-validator reads and sets them (``self.loss``);
-    a field not given reads as None, its default."""
-
-    __getattr__ = dict.get
-    __setattr__ = dict.__setitem__
+    return defaults, fields_class, derive
 
 
 class _Rule(typing.NamedTuple):
     """What a number field takes: its type, None or not, inclusive bounds, validators."""
 
     number: type  # int or float
-    nullable: bool
+    nullable: bool  # None passes (and is left out of the record's JSON)
     low: float
     high: float
     validators: tuple
 
 
-def passes_quick_check(model: type[Record], fields: dict) -> bool:
-    """True when the schema is sure to take these values (see the module's docstring).
-    One flat loop: on the training thread, every function call counts."""
+def checked_values(model: type[Record], fields: dict) -> dict | None:
+    """The values as the record will hold them (an int in a float field as a float,
+    validators applied), when the schema is sure to take them (see the module's
+    docstring); else None. One flat loop: it runs on the training thread, with cold
+    caches at training rates, where every bytecode and call counts."""
     rules = _RULES.get(model)
     if rules is None:
         rules = _RULES[model] = field_rules(model)
     if not rules:
-        return False
-    for name, value in fields.items():
-        rule = rules.get(name)
-        if rule is None:
-            return False
-        if value is None:
-            if rule.nullable:
-                continue
-            return False
-        kind = type(value)
-        if kind is not rule.number and not (kind is int and rule.number is float
-                                            and -_EXACT_FLOAT_INT <= value <= _EXACT_FLOAT_INT):
-            return False
-        if not rule.low <= value <= rule.high:  # (NaN is within no bounds: pydantic judges it)
-            return False
-        for validate in rule.validators:
-            try:
-                validate(value)
-            except Exception:
-                return False
-    return True
+        return None
+    values = {}
+    try:
+        for name, value in fields.items():
+            number, nullable, low, high, validators = rules[name]  # (KeyError: not a number field)
+            if value is None:
+                if nullable:
+                    continue  # not logged: left out of the record's JSON
+                return None
+            if type(value) is not number:
+                if not (type(value) is int and number is float
+                        and -_EXACT_FLOAT_INT <= value <= _EXACT_FLOAT_INT):
+                    return None
+                value = float(value)
+            if not low <= value <= high:  # (NaN is within no bounds: pydantic judges it)
+                return None
+            if validators:
+                for validate in validators:
+                    value = validate(value)
+            values[name] = value
+    except Exception:  # a field the check does not model, or a validator's refusal
+        return None
+    return values
+
+
+def passes_quick_check(model: type[Record], fields: dict) -> bool:
+    return checked_values(model, fields) is not None
 
 
 _RULES: dict[type[Record], dict[str, _Rule]] = {}
@@ -188,7 +189,8 @@ def _number_rule(info: FieldInfo) -> _Rule | None:
         args = typing.get_args(annotation)
         if len(args) != 2 or type(None) not in args:
             return None
-        nullable = True
+        # None left out of the JSON reads back as the default: only where that is None
+        nullable = info.is_required() or info.default is None
         annotation = args[0] if args[1] is type(None) else args[1]
     if typing.get_origin(annotation) is typing.Annotated:
         annotation, *extra = typing.get_args(annotation)
@@ -203,12 +205,7 @@ def _number_rule(info: FieldInfo) -> _Rule | None:
         elif isinstance(item, annotated_types.Le):
             high = min(high, item.le)
         elif isinstance(item, AfterValidator):
-            validators.append(_as_float(item.func) if annotation is float else item.func)
+            validators.append(item.func)  # (called with the value as the field holds it)
         else:
             return None  # a constraint the quick check does not model (gt, lt, ...): pydantic's
     return _Rule(annotation, nullable, low, high, tuple(validators))
-
-
-def _as_float(validate: Callable[[float], Any]) -> Callable[[float], Any]:
-    # pydantic hands a float field's validators the float an int became.
-    return lambda value: validate(float(value))

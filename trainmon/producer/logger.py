@@ -35,7 +35,7 @@ from ..schemas import (AllocatorRecord, CheckpointRecord, DatasetRecord, DiskRec
                        GpuHealthRecord, GpuModelRecord, GpuRecord, LogEventRecord, MoeRecord,
                        Record, RunRecord, StepRecord)
 from .config import ProducerConfig
-from .deferred import EARLIEST_TIME, LATEST_TIME, DeferredRecord, passes_quick_check
+from .deferred import EARLIEST_TIME, LATEST_TIME, DeferredRecord, checked_values
 from .disk import DiskSampler
 from .surogate import ConsoleLine, JsonLogFile
 from ..kafka_client.transport import TransportSettings, make_transport
@@ -105,7 +105,7 @@ class Producer:
         # The worker packs the records it finds queued; the client then sends at once.
         settings = TransportSettings(cfg.bootstrap, cfg.kafka, linger_ms=0,
                                      batch_bytes=cfg.batch_size, max_message_bytes=cfg.max_message_bytes,
-                                     compression=cfg.compression)
+                                     compression=cfg.kafka_compression())
         self._worker = Worker(lambda on_undelivered: make_transport(cfg.client, settings, on_undelivered),
                               cfg.spill_dir, f"{_safe(cfg.run_id)}.{cfg.rank}",
                               queue_size=cfg.queue_size, yield_to_caller=cfg.yield_to_caller,
@@ -140,10 +140,10 @@ class Producer:
             self.rejected[model.kind] = self.rejected.get(model.kind, 0) + 1
             return False
         now = time.time()
-        if EARLIEST_TIME <= now < LATEST_TIME and passes_quick_check(model, fields):
-            # Valid for certain: the sender thread builds the record (see deferred.py).
+        if EARLIEST_TIME <= now < LATEST_TIME and (values := checked_values(model, fields)) is not None:
+            # Valid for certain: written without building the record (see deferred.py).
             self._worker.submit(self._topic(model.kind), self._key, DeferredRecord(
-                model, self._envelope, now, self._id_prefix, next(self._ids), fields))
+                model, self._envelope, now, self._id_prefix, next(self._ids), fields, values))
             return True
         if not ENVELOPE_FIELDS.isdisjoint(fields):  # (isdisjoint: the cheap test, per call)
             clash = ENVELOPE_FIELDS.intersection(fields)

@@ -161,10 +161,10 @@ class Worker:
     def submit(self, topic: str, key: bytes, record: Record | DeferredRecord) -> None:
         if self._thread is None:
             self._start()
-        if (self._watching and type(record) is DeferredRecord
-                and time.monotonic() - self._last_sent >= self._pack_window_s
-                and self._send_now(topic, key, record)):
-            return
+        if self._watching and type(record) is DeferredRecord:
+            now = time.monotonic()
+            if now - self._last_sent >= self._pack_window_s and self._send_now(topic, key, record, now):
+                return
         if self._items.qsize() >= self._queue_size:
             # The worker is far behind: keep memory bounded and the record safe on disk.
             entry = self._entry(topic, key, record)
@@ -176,7 +176,7 @@ class Worker:
         # thread has delivered this record (a record sent at once would overtake it).
         self._watching = False
 
-    def _send_now(self, topic: str, key: bytes, record: DeferredRecord) -> bool:
+    def _send_now(self, topic: str, key: bytes, record: DeferredRecord, now: float) -> bool:
         """Send a record on the caller's thread; False where the thread must do it."""
         if not self._lock.acquire(blocking=False):
             return False
@@ -186,25 +186,26 @@ class Worker:
             # Kafka's reports of earlier messages first (librdkafka counts a message until
             # its report is collected, even a success): only with every one of them
             # answered, and none failed, may this record go ahead of the thread.
+            transport = self._transport
             self._serving_for_caller = True
             try:
-                self._transport.serve()
+                transport.serve()
             finally:
                 self._serving_for_caller = False
-            if self._transport.in_flight or self._spill.count or time.monotonic() < self._retry_at:
+            if transport.in_flight or self._spill.count or now < self._retry_at:
                 return False
             entry = self._entry(topic, key, record)
             if entry is None:  # rejected (counted and logged)
                 return True
             try:
-                self._transport.send(entry)
+                transport.send(entry)
             except TransportUnavailable:
                 self._items.put(_Encoded(entry))  # the thread spills it and backs off
                 self._watching = False
                 return True
             self.sent += 1
             self._sent_by_callers += 1
-            self._last_sent = time.monotonic()
+            self._last_sent = now
             return True
         finally:
             self._lock.release()
@@ -359,6 +360,8 @@ class Worker:
 
     def _encode(self, item: tuple) -> Entry | None:
         topic, key, record = item
+        if not self._observers:
+            return self._entry(topic, key, record)
         encoded = self._encoded(record)
         if encoded is None:
             return None
@@ -371,18 +374,28 @@ class Worker:
         return self._checked(topic, key, record, value)
 
     def _entry(self, topic: str, key: bytes, record: Record | DeferredRecord) -> Entry | None:
+        """The message of one record (the observers not told), or None once it is rejected."""
+        if type(record) is DeferredRecord and not self._observers:
+            # A log call's numbers, written without pydantic: the path of nearly every
+            # record of a training loop, kept short (it runs with cold caches).
+            try:
+                value = record.encode()
+            except Exception as exc:  # (the quick check vouched for its fields)
+                self._reject(record, f"{type(exc).__name__}: {exc}")
+                return None
+            if len(value) <= self._max_record_bytes:
+                return topic, key, value
+            return self._checked(topic, key, record, value)
         encoded = self._encoded(record)
         return None if encoded is None else self._checked(topic, key, *encoded)
 
     def _encoded(self, record: Record | DeferredRecord) -> tuple[Record, bytes] | None:
-        """The record's JSON, or None once it is rejected: one record that cannot be
-        built or encoded is counted and logged, never an exception that ends the sender
-        thread."""
+        """The record and its JSON, or None once it is rejected: one record that cannot
+        be built or encoded is counted and logged, never an exception that ends the
+        sender thread."""
         if type(record) is DeferredRecord:
             try:
-                if not self._observers:  # (they are handed records)
-                    return record, record.encode()
-                record = record.build()
+                record = record.build()  # (the observers are handed records)
             except Exception as exc:  # (the quick check vouched for its fields)
                 self._reject(record, f"{type(exc).__name__}: {exc}")
                 return None
