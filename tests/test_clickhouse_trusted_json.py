@@ -19,9 +19,10 @@ import pytest
 
 from trainmon import topics
 from trainmon.consumers.clickhouse.client import Target, connect
-from trainmon.consumers.clickhouse.columns import insert_batch, insert_json, json_ready
+from trainmon.consumers.clickhouse.columns import insert_batch, insert_json, json_body, json_ready
 from trainmon.consumers.clickhouse.ddl import create_all
 from trainmon.consumers.clickhouse.loader import stored_as_they_come
+from trainmon.consumers.stream import _lines_if_one_object_each
 from trainmon.producer.deferred import DeferredRecord, field_rules, passes_quick_check
 from trainmon.schemas import RECORD_TYPES, SCHEMA_HEADER, StepRecord, encode, pack, schema_fingerprint
 
@@ -60,8 +61,8 @@ def test_json_and_column_inserts_store_the_same_rows(chdb_client, kind):
         records.append(records[0].model_copy(update={
             "event_id": "ev-zone", "time": T0.astimezone(timezone(timedelta(hours=2)))}))
     offsets = list(range(len(records)))
-    insert_json(chdb_client, kind, [encode(r) for r in records], database="as_json",
-                kafka=("t", 0, offsets), dedup_token=f"json-{kind}")
+    insert_json(chdb_client, kind, json_body(("t", 0, offsets), [encode(r) for r in records]),
+                database="as_json", dedup_token=f"json-{kind}")
     insert_batch(chdb_client, kind, records, database="as_columns", kafka=("t", 0, offsets),
                  dedup_token=f"columns-{kind}")
 
@@ -90,8 +91,8 @@ def test_what_a_log_call_writes_without_pydantic_is_stored_as_its_record(chdb_cl
                                            "deferred", number, fields))
     assert len(deferred) > 100
     offsets = list(range(len(deferred)))
-    insert_json(chdb_client, model.kind, [d.encode() for d in deferred], database="as_json",
-                kafka=("t", 1, offsets), dedup_token=f"deferred-json-{model.kind}")
+    insert_json(chdb_client, model.kind, json_body(("t", 1, offsets), [d.encode() for d in deferred]),
+                database="as_json", dedup_token=f"deferred-json-{model.kind}")
     insert_batch(chdb_client, model.kind, [d.build() for d in deferred], database="as_columns",
                  kafka=("t", 1, offsets), dedup_token=f"deferred-columns-{model.kind}")
 
@@ -99,6 +100,17 @@ def test_what_a_log_call_writes_without_pydantic_is_stored_as_its_record(chdb_cl
         return chdb_client.query(f"SELECT * EXCEPT _inserted_at FROM {database}.{model.kind} "
                                  "WHERE _partition = 1 ORDER BY event_id").result_rows
     assert repr(rows("as_json")) == repr(rows("as_columns"))
+
+
+def test_a_packed_message_goes_into_the_insert_body_as_its_records_would():
+    """A Kafka message handed out whole: each of its lines gets the message's coordinates,
+    as if its records had come one by one."""
+    records = [encode(step(i)) for i in range(3)]
+    assert _lines_if_one_object_each(pack(records)) == 3
+    assert json_body(("t", 2, [7, 9]), [pack(records), records[0]]) == \
+        json_body(("t", 2, [7, 7, 7, 9]), [*records, records[0]])
+    for odd in (pack(records) + b"\n", records[0] + b"\n\n" + records[1], b" " + records[0], b""):
+        assert _lines_if_one_object_each(odd) == 0  # decoded record by record instead
 
 
 def step(i: int, **fields) -> StepRecord:
@@ -120,7 +132,9 @@ def test_refused_marked_records_are_decoded_and_dead_lettered_alone(bootstrap, t
     step_topic = topics.topic_for("step", topic_prefix)
     refused = step(2, loss=1000.0)
     send_raw(bootstrap, [(step_topic, b"k", pack([encode(step(0)), encode(step(1)), encode(refused)]), 0),
-                         (step_topic, b"k", pack([encode(step(3)), b'{"step": 4,']), 0)], headers=TRUSTED)
+                         (step_topic, b"k", pack([encode(step(3)), b'{"step": 4,']), 0),
+                         # Not as pack writes it (a blank line): decoded as it is read.
+                         (step_topic, b"k", encode(step(7)) + b"\n\n" + encode(step(8)), 2)], headers=TRUSTED)
     # Partition 1: not marked as ours, so decoded as they are read.
     send_raw(bootstrap, [(step_topic, b"k", encode(step(5)), 1)],
              headers=[(SCHEMA_HEADER, b"another-schema")])
@@ -129,7 +143,7 @@ def test_refused_marked_records_are_decoded_and_dead_lettered_alone(bootstrap, t
     service = ClickHouseService(bootstrap, topic_prefix, path, tmp_path / "svc.log").start()
     try:
         service.wait_for("SELECT groupArray(step) FROM (SELECT step FROM trainmon.step ORDER BY step)",
-                         [0, 1, 3, 5, 6])
+                         [0, 1, 3, 5, 6, 7, 8])
         letters = [json.loads(m.value) for m in
                    read_topic(bootstrap, topics.topic_for(topics.DEADLETTER, topic_prefix), 2)]
         by_index = {(letter["offset"], letter["index"]): letter for letter in letters}
@@ -140,6 +154,6 @@ def test_refused_marked_records_are_decoded_and_dead_lettered_alone(bootstrap, t
         # The marked messages were stored as JSON first (and refused as such).
         assert "refused as JSON" in service.log.read_text()
         assert service.rows("SELECT count() AS n, uniqExact(event_id) AS u FROM trainmon.step") == \
-            [{"n": 5, "u": 5}]
+            [{"n": 7, "u": 7}]
     finally:
         assert service.stop() == 0

@@ -94,11 +94,11 @@ def test_a_failed_background_insert_is_written_again_first_and_held_back_from_co
     tokens = []
     real_insert_json = loader.insert_json
 
-    def connection_lost_once(client, kind, lines, **kwargs):
+    def connection_lost_once(client, kind, body, **kwargs):
         tokens.append(kwargs["dedup_token"])
         if len(tokens) == 1:
             raise OperationalError("connection reset by peer")
-        real_insert_json(client, kind, lines, **kwargs)
+        real_insert_json(client, kind, body, **kwargs)
 
     monkeypatch.setattr(loader, "insert_json", connection_lost_once)
     sink = loader.ClickHouseSink(client, database="trainmon", max_rows=2, max_wait_s=0)

@@ -199,9 +199,10 @@ class SinkRuntime:
         owned = self._owned
         if messages and any((m.topic, m.partition) not in owned for m in messages):
             messages = [m for m in messages if (m.topic, m.partition) in owned]
+        records = sum(m.count for m in messages)
         if messages:
             self._call(sink.put, messages, what=f"{sink.name}: put")
-            self.records += len(messages)
+            self.records += records
             self._put_since_commit = True
             self._active_at = time.monotonic()
         elif not owned:
@@ -212,7 +213,7 @@ class SinkRuntime:
             self.flush_and_commit()
         elif due is None and self._commit_due() and time.monotonic() >= self._next_commit_at:
             self._commit()  # dead letters alone, or a commit Kafka refused earlier
-        return len(messages)
+        return records
 
     def flush_and_commit(self, final: bool = False) -> None:
         self._call(self.sink.flush, what=f"{self.sink.name}: flush")

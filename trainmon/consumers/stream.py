@@ -31,7 +31,9 @@ _REPORTED_PREFIXES: set[str] = set()
 @dataclass(slots=True)
 class Message:
     """One record, with where it came from: ``index`` is its place in the Kafka message
-    at ``offset``, ``value`` its own bytes."""
+    at ``offset``, ``value`` its own bytes. Or, handed out undecoded (see RecordStream),
+    all ``count`` records of that Kafka message: ``value`` is then the message's, one
+    record per line (``RecordStream.decode`` splits it)."""
 
     kind: str
     topic: str
@@ -41,6 +43,16 @@ class Message:
     value: bytes
     record: Record | None = None
     index: int = 0
+    count: int = 1
+
+
+def _lines_if_one_object_each(value: bytes) -> int:
+    """How many lines a message value has when each starts a JSON object, none blank (as
+    ``schemas.pack`` writes them); else 0. (Compact JSON never holds a raw newline, so
+    each line is one record, and a line can be given its Kafka coordinates by what
+    starts it: see clickhouse.columns.json_body.)"""
+    newlines = value.count(b"\n")
+    return newlines + 1 if value[:1] == b"{" and value.count(b"\n{") == newlines else 0
 
 
 class RecordStream:
@@ -110,24 +122,42 @@ class RecordStream:
         raw = self.consumer.poll(timeout_ms / 1000, max_messages=wanted)
         messages: list[Message] = []
         append = messages.append
+        records = 0
         for m in raw:
-            topic, partition, offset, key = m.topic, m.partition, m.offset, m.key
+            topic, partition, offset, key, value = m.topic, m.partition, m.offset, m.key, m.value or b""
             kind = topics.kind_of(topic, self.prefix)
-            as_bytes = kind in self._undecoded and m.headers and self._trusted_header in m.headers
-            # Per record (this loop runs for every record a consumer reads): one positional
-            # Message, decoded unless handed out as bytes.
-            for index, value in enumerate(unpack(m.value or b"")):
-                message = Message(kind, topic, partition, offset, key, value, None, index)
-                if as_bytes or self._decoded(message):
+            if kind in self._undecoded and m.headers and self._trusted_header in m.headers:
+                count = _lines_if_one_object_each(value)
+                if count:
+                    # Handed out whole: no Python work per record for a sink that stores
+                    # the JSON as it came.
+                    append(Message(kind, topic, partition, offset, key, value, None, 0, count))
+                    records += count
+                    continue
+            # Per record (this loop runs for every record a consumer decodes): one
+            # positional Message, decoded.
+            for index, line in enumerate(unpack(value)):
+                message = Message(kind, topic, partition, offset, key, line, None, index)
+                if self._decoded(message):
                     append(message)
+                    records += 1
         if raw:
-            self._records_per_message = max(1.0, len(messages) / len(raw))
+            self._records_per_message = max(1.0, records / len(raw))
         return messages
 
     def decode(self, messages: list[Message]) -> list[Message]:
-        """Decode the records handed out undecoded; dead-letter those that do not decode.
-        Returns the messages that have their record."""
-        return [m for m in messages if m.record is not None or self._decoded(m)]
+        """Decode the records handed out undecoded (one Message each); dead-letter those
+        that do not decode. Returns the messages that have their record."""
+        decoded = []
+        for m in messages:
+            if m.record is not None:
+                decoded.append(m)
+                continue
+            for index, line in enumerate(unpack(m.value)):
+                record = Message(m.kind, m.topic, m.partition, m.offset, m.key, line, None, index)
+                if self._decoded(record):
+                    decoded.append(record)
+        return decoded
 
     def _decoded(self, message: Message) -> bool:
         """Give ``message`` its record, or dead-letter it (False). Whatever decoding raises

@@ -32,7 +32,7 @@ class PartitionBuffers:
                 last = (m.topic, m.partition)
                 bucket = self._by_partition[TopicPartition(*last)]
             bucket.append(m)
-        self.rows += len(messages)
+        self.rows += sum(m.count for m in messages)
 
     def due(self) -> bool:
         return self.rows >= self.max_rows or (
@@ -53,7 +53,7 @@ class PartitionBuffers:
             taken, self._by_partition = dict(self._by_partition), defaultdict(list)
         else:
             taken = {tp: self._by_partition.pop(tp) for tp in list(self._by_partition) if tp in only}
-        self.rows = sum(len(v) for v in self._by_partition.values())
+        self.rows = sum(m.count for v in self._by_partition.values() for m in v)
         if not self.rows:
             self._oldest = None
         return taken

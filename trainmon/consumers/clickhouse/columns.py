@@ -93,15 +93,24 @@ def json_ready(kind: str) -> bool:
     return all(c.extract in plain for c in _columns(kind))
 
 
-def insert_json(client, kind: str, lines: Sequence[bytes], *, database: str,
-                kafka: tuple[str, int, Sequence[int]], dedup_token: str,
-                settings: dict | None = None) -> None:
-    """Insert records of a :func:`json_ready` kind from their JSON encoding, as they came
-    from Kafka: ClickHouse parses them, nothing is built in Python but each line's
-    bookkeeping prefix. Each line must be a JSON object (``{...}``)."""
+def json_body(kafka: tuple[str, int, Sequence[int]], values: Sequence[bytes]) -> bytes:
+    """The body of a :func:`insert_json`: records of a :func:`json_ready` kind in their
+    JSON encoding, as they came from Kafka, each with its Kafka coordinates put in front
+    (nothing else is built in Python). ``values[i]``, at offset ``offsets[i]``, holds one
+    record per line, each line a JSON object (``{...}``): a Kafka message's value as
+    ``schemas.pack`` writes it, its records sharing its offset."""
     topic, partition, offsets = kafka
     head = b'{"_topic":%s,"_partition":%d,"_offset":' % (json.dumps(topic).encode(), partition)
-    body = b"\n".join([b"%s%d,%s" % (head, offset, line[1:]) for offset, line in zip(offsets, lines)])
+    parts = []
+    for offset, value in zip(offsets, values):
+        front = b"%s%d," % (head, offset)
+        parts.append(front + value[1:].replace(b"\n{", b"\n" + front))
+    return b"\n".join(parts)
+
+
+def insert_json(client, kind: str, body: bytes, *, database: str, dedup_token: str,
+                settings: dict | None = None) -> None:
+    """Insert a :func:`json_body` of ``kind`` records: ClickHouse parses them."""
     client.raw_insert(f"{database}.{kind}", None, body, fmt="JSONEachRow",
                       settings={**_JSON_SETTINGS, **(settings or {}), "insert_deduplication_token": dedup_token})
 

@@ -48,7 +48,7 @@ from ...schemas import RECORD_TYPES
 from .. import runtime
 from ..stream import Message, RecordStream
 from .batches import PartitionBuffers
-from .columns import insert_batch, insert_json, json_ready
+from .columns import insert_batch, insert_json, json_body, json_ready
 from .ddl import create_probe_table
 from .offsets import stored_positions
 from .refusals import blames_rows, month_runs, months_in, partition_limit, refusal
@@ -65,22 +65,38 @@ COLLECT_S = 0.1  # while inserts are in flight, how often written batches are co
 # the next fills (a backlog still goes in full batches), and a backlog's first insert
 # does not wait for a whole batch to be read first (nor its last one so long).
 EAGER_FRACTION = 10
+EAGER_CHECK_S = 0.01
 
 
 @dataclass
 class Batch:
     """One partition's records for one insert, with the token that makes a retry of it a
-    no-op. It changes only when rows were dead-lettered (``checked``: the rest, a new token)."""
+    no-op. It changes only when rows were dead-lettered (``checked``: the rest, a new token)
+    or the records decoded (see ``_write``)."""
 
     tp: TopicPartition
     messages: list[Message]
     token: str = ""
     checked: bool = False
     lettered: set[int] = field(default_factory=set)  # ids of its messages dead-lettered so far
+    # The insert body when its records are all as they came (see columns.json_body), built
+    # on the runtime's thread: the insert thread is the loader's bottleneck.
+    json: bytes | None = field(init=False, default=None)
+    rows: int = field(init=False, default=0)
 
     def __post_init__(self):
         self.token = self.token or \
             f"{self.tp.topic}-{self.tp.partition}-{self.messages[0].offset}-{self.messages[-1].offset}"
+        self.rows = sum(m.count for m in self.messages)
+        if all(m.record is None for m in self.messages):
+            self.json = json_body((self.tp.topic, self.tp.partition, [m.offset for m in self.messages]),
+                                  [m.value for m in self.messages])
+
+    def narrow(self, messages: list[Message], why: str) -> None:
+        """From now on these (decoded) records, under a token of their own: they are not
+        the batch whose insert may have landed."""
+        self.messages, self.token, self.json = messages, f"{self.token}-{why}", None
+        self.rows = len(messages)
 
 
 class ClickHouseSink(runtime.Sink):
@@ -100,7 +116,7 @@ class ClickHouseSink(runtime.Sink):
         # thread (retried by it), before anything newer is handed to the writer.
         self._unwritten: deque[Batch] = deque()
         self.writer = BackgroundWriter([functools.partial(self._insert, client=c) for c in insert_clients or [client]],
-                                       lambda b: len(b.messages), "trainmon-clickhouse-insert", key=lambda b: b.tp)
+                                       lambda b: b.rows, "trainmon-clickhouse-insert", key=lambda b: b.tp)
         self._flushed_at = time.monotonic()
         self._rewind: dict[TopicPartition, int] = {}
         self._receiving = False
@@ -131,9 +147,13 @@ class ClickHouseSink(runtime.Sink):
         if self._unwritten or self.writer.error is not None:
             return 0.0
         if self.buffers.rows:
-            if self.buffers.due() or (self.buffers.rows >= self.buffers.max_rows // EAGER_FRACTION
-                                      and not self.writer.pending_rows()):
+            if self.buffers.due():
                 return 0.0
+            if self.buffers.rows >= self.buffers.max_rows // EAGER_FRACTION:
+                if not self.writer.pending_rows():
+                    return 0.0
+                # Look again soon: the writer may be done before the next records come.
+                return min(EAGER_CHECK_S, self.buffers.seconds_until_due())
             return self.buffers.seconds_until_due()
         if self.writer.pending_rows():  # collect and commit what it writes
             return max(0.0, self._flushed_at + COLLECT_S - time.monotonic())
@@ -220,7 +240,7 @@ class ClickHouseSink(runtime.Sink):
                 # Not written: read them again should the partition come back to us.
                 self._rewind.setdefault(batch.tp, batch.messages[0].offset)
                 log.warning("revoked %s[%d] with %d rows not written (%s)", batch.tp.topic,
-                            batch.tp.partition, len(batch.messages), exc)
+                            batch.tp.partition, batch.rows, exc)
 
     # -- writing --------------------------------------------------------------------
 
@@ -247,8 +267,7 @@ class ClickHouseSink(runtime.Sink):
             if not dead_letter:
                 raise runtime.RetriableError(f"insert {batch.token}: {_first_line(error)}") from error
             log.warning("batch %s refused as JSON (%s); decoding its records", batch.token, _first_line(error))
-            batch.messages = self.context.stream.decode(batch.messages)
-            batch.token += "-decoded"
+            batch.narrow(self.context.stream.decode(batch.messages), "decoded")
             if batch.messages:
                 self._write(batch, dead_letter, settings)
             return
@@ -267,8 +286,7 @@ class ClickHouseSink(runtime.Sink):
         if blames_rows(error) and not batch.checked and dead_letter:
             log.warning("batch %s refused (%s); checking its records one by one", batch.token,
                         _first_line(error))
-            batch.messages = self._without_culprits(batch)
-            batch.token += "-checked"
+            batch.narrow(self._without_culprits(batch), "checked")
             batch.checked = True
             if batch.messages:
                 self._write(batch, dead_letter, settings)
@@ -282,15 +300,15 @@ class ClickHouseSink(runtime.Sink):
     def _insert(self, batch: Batch, settings: dict | None = None, client=None) -> None:
         client = client or self.client
         messages = batch.messages
-        kafka = (batch.tp.topic, batch.tp.partition, [m.offset for m in messages])
-        if messages[0].record is None and all(m.record is None for m in messages):
-            insert_json(client, messages[0].kind, [m.value for m in messages], database=self.database,
-                        kafka=kafka, dedup_token=batch.token, settings=settings)
+        if batch.json is not None:
+            insert_json(client, messages[0].kind, batch.json, database=self.database,
+                        dedup_token=batch.token, settings=settings)
         else:  # decoded, all of them (see _batches)
             insert_batch(client, messages[0].kind, [m.record for m in messages], database=self.database,
-                         dedup_token=batch.token, settings=settings, kafka=kafka)
+                         dedup_token=batch.token, settings=settings,
+                         kafka=(batch.tp.topic, batch.tp.partition, [m.offset for m in messages]))
         with self._counting:
-            self.rows_inserted += len(messages)
+            self.rows_inserted += batch.rows
             self.inserts += 1
             crash = _CRASH_AFTER_INSERTS and self.inserts >= _CRASH_AFTER_INSERTS
         if crash:
