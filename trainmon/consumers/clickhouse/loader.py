@@ -61,11 +61,6 @@ log = logging.getLogger("trainmon.clickhouse")
 _CRASH_AFTER_INSERTS = int(os.environ.get("TRAINMON_CLICKHOUSE_CRASH_AFTER_INSERTS") or 0)
 REVOKE_ATTEMPTS = 3  # a rebalance waits on these tries, not on an outage
 COLLECT_S = 0.1  # while inserts are in flight, how often written batches are committed
-# An idle writer gets a batch once it is this fraction of a full one: while it works,
-# the next fills (a backlog still goes in full batches), and a backlog's first insert
-# does not wait for a whole batch to be read first (nor its last one so long).
-EAGER_FRACTION = 10
-EAGER_CHECK_S = 0.01
 
 
 @dataclass
@@ -147,14 +142,7 @@ class ClickHouseSink(runtime.Sink):
         if self._unwritten or self.writer.error is not None:
             return 0.0
         if self.buffers.rows:
-            if self.buffers.due():
-                return 0.0
-            if self.buffers.rows >= self.buffers.max_rows // EAGER_FRACTION:
-                if not self.writer.pending_rows():
-                    return 0.0
-                # Look again soon: the writer may be done before the next records come.
-                return min(EAGER_CHECK_S, self.buffers.seconds_until_due())
-            return self.buffers.seconds_until_due()
+            return 0.0 if self.buffers.due() else self.buffers.seconds_until_due()
         if self.writer.pending_rows():  # collect and commit what it writes
             return max(0.0, self._flushed_at + COLLECT_S - time.monotonic())
         return None
