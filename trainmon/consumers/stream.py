@@ -134,13 +134,7 @@ class RecordStream:
                     append(Message(kind, topic, partition, offset, key, value, None, 0, count))
                     records += count
                     continue
-            # Per record (this loop runs for every record a consumer decodes): one
-            # positional Message, decoded.
-            for index, line in enumerate(unpack(value)):
-                message = Message(kind, topic, partition, offset, key, line, None, index)
-                if self._decoded(message):
-                    append(message)
-                    records += 1
+            records += self._decode_into(messages, kind, topic, partition, offset, key, value)
         if raw:
             self._records_per_message = max(1.0, records / len(raw))
         return messages
@@ -148,16 +142,26 @@ class RecordStream:
     def decode(self, messages: list[Message]) -> list[Message]:
         """Decode the records handed out undecoded (one Message each); dead-letter those
         that do not decode. Returns the messages that have their record."""
-        decoded = []
+        decoded: list[Message] = []
         for m in messages:
             if m.record is not None:
                 decoded.append(m)
-                continue
-            for index, line in enumerate(unpack(m.value)):
-                record = Message(m.kind, m.topic, m.partition, m.offset, m.key, line, None, index)
-                if self._decoded(record):
-                    decoded.append(record)
+            else:
+                self._decode_into(decoded, m.kind, m.topic, m.partition, m.offset, m.key, m.value)
         return decoded
+
+    def _decode_into(self, out: list[Message], kind: str, topic: str, partition: int, offset: int,
+                     key: bytes | None, value: bytes) -> int:
+        """Append the records of one Kafka message value to ``out``, each one positional
+        Message, decoded (this runs for every record a consumer decodes); dead-letter those
+        that do not decode. Returns how many were appended."""
+        appended = 0
+        for index, line in enumerate(unpack(value)):
+            message = Message(kind, topic, partition, offset, key, line, None, index)
+            if self._decoded(message):
+                out.append(message)
+                appended += 1
+        return appended
 
     def _decoded(self, message: Message) -> bool:
         """Give ``message`` its record, or dead-letter it (False). Whatever decoding raises

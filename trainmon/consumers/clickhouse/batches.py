@@ -51,9 +51,10 @@ class PartitionBuffers:
         """Remove and return the buffered batches (all, or those of ``only``)."""
         if only is None:
             taken, self._by_partition = dict(self._by_partition), defaultdict(list)
+            self.rows = 0
         else:
             taken = {tp: self._by_partition.pop(tp) for tp in list(self._by_partition) if tp in only}
-        self.rows = sum(m.count for v in self._by_partition.values() for m in v)
+            self.rows = sum(m.count for v in self._by_partition.values() for m in v)
         if not self.rows:
             self._oldest = None
         return taken
