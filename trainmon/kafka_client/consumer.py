@@ -144,12 +144,39 @@ class Consumer:
             seeks = self._assigning
         finally:
             self._assigning = None
-        consumer.assign([_TP(tp.topic, tp.partition, seeks.get(tp, OFFSET_INVALID)) for tp in tps])
+        starts = {**self._start_offsets([tp for tp in tps if tp not in seeks]), **seeks}
+        consumer.assign([_TP(tp.topic, tp.partition, starts.get(tp, OFFSET_INVALID)) for tp in tps])
         self._assignment.update(tps)
         for tp, offset in seeks.items():
             self._positions[tp] = offset
         if self._paused_in_assign:
             consumer.pause([_TP(*tp) for tp in self._paused_in_assign])
+
+    def _start_offsets(self, partitions: list[TopicPartition]) -> dict[TopicPartition, int]:
+        """Where partitions no seek placed start: the group's committed offset, else the
+        log's start (``auto.offset.reset`` is earliest), in two batched requests. Left to
+        librdkafka, a partition with nothing committed is looked up after a 100 ms backoff,
+        and a fetch sent for the partitions found first then holds the others up to
+        fetch.wait.max.ms: ~0.25 s before the first record, measured. On any error: {}
+        (librdkafka looks them up itself, as before)."""
+        if not partitions:
+            return {}
+        from confluent_kafka import KafkaException, TopicPartition as _TP
+
+        try:
+            committed = [p for p in self._consumer.committed([_TP(*tp) for tp in partitions], timeout=5)
+                         if p.error is None]  # a partition not answered for: librdkafka's to place
+            starts = {TopicPartition(p.topic, p.partition): p.offset for p in committed if p.offset >= 0}
+            # Nothing committed: a ListOffsets timestamp of -2 asks for the log's start.
+            unknown = [_TP(p.topic, p.partition, -2) for p in committed if p.offset < 0]
+            if unknown:
+                starts.update((TopicPartition(p.topic, p.partition), p.offset)
+                              for p in self._consumer.offsets_for_times(unknown, timeout=5)
+                              if p.error is None and p.offset >= 0)
+            return starts
+        except KafkaException as exc:
+            log.debug("Kafka consumer: start offsets left to librdkafka (%s)", exc)
+            return {}
 
     def _revoked(self, consumer, partitions) -> None:
         tps = [TopicPartition(p.topic, p.partition) for p in partitions]
