@@ -14,7 +14,10 @@ from trainmon.schemas import Record, StepRecord, decode, encode
 ENVELOPE = {"run_id": "quick", "rank": 0, "world_size": 1, "host": "h"}
 ODD_VALUES = [0, 1, -1, 7, 2**53, 2**53 + 1, -2**63, 2**63 - 1, 2**63, 2**70, 0.0, -0.0, 0.5, -0.5,
               1.5, 100.0, 101.0, 1e300, -1e300, math.nan, math.inf, -math.inf, True, False, None,
-              "1", b"1", [1.0], {"a": 1.0}, object()]
+              "1", b"1", [1.0], {"a": 1.0}, object(),
+              # for the maps of names to numbers (timers, losses)
+              {}, {"a": 1}, {"a": 1.0, "b": -2.5}, {"a": math.nan}, {"a": math.inf}, {1: 1.0},
+              {"a": "1"}, {"a": True}, {"a": None}, {"a": 2**53 + 1}, {"a": [1.0]}]
 
 
 def schema_takes(model, fields) -> bool:
@@ -64,16 +67,29 @@ def test_a_training_loops_step_is_checked_quickly_and_built_the_same():
 @pytest.mark.parametrize("fields", [
     dict(step=1, loss="two"), dict(step=-1, loss=1.0), dict(step=1, loss=1.0, duration_ms=-1.0),
     dict(step=2**63, loss=1.0), dict(step=1, loss=1.0, host="x"), dict(step=1, loss=1.0, bogus=1),
-    dict(step=1.0, loss=1.0), dict(step=True, loss=1.0), dict(step=1, loss=1.0, losses={"a": 1.0}),
+    dict(step=1.0, loss=1.0), dict(step=True, loss=1.0), dict(step=1, loss=1.0, losses={"a": "1"}),
+    dict(step=1, loss=1.0, timers={1: 1.0}), dict(step=1, loss=1.0, timers={"a": math.nan}),
+    dict(step=1, loss=1.0, timers=[("a", 1.0)]), dict(step=1, loss=1.0, timers={"a": True}),
 ])
 def test_anything_else_goes_to_pydantic_on_the_callers_thread(fields):
     assert not passes_quick_check(StepRecord, fields)
 
 
 def test_every_number_field_of_a_step_is_checked_quickly():
-    numbers = [n for n, f in StepRecord.model_fields.items()
-               if n not in Record.model_fields and n not in ("losses", "timers")]
-    assert sorted(field_rules(StepRecord)) == sorted(numbers)
+    numbers = [n for n, f in StepRecord.model_fields.items() if n not in Record.model_fields]
+    assert sorted(field_rules(StepRecord)) == sorted(numbers)  # the timers and losses maps too
+
+
+def test_a_map_is_taken_as_it_was_at_the_call():
+    """A loop may reuse its timers dict for the next step: the record holds the values
+    of the call, ints in a float map as floats, as pydantic copies them."""
+    timers = {"forward": 80, "backward": 160.5}
+    deferred = DeferredRecord(StepRecord, ENVELOPE, 1.7e9, "prefix", 7, dict(step=1, loss=1.0, timers=timers),
+                              checked_values(StepRecord, dict(step=1, loss=1.0, timers=timers)))
+    timers.clear()
+    timers["optimizer"] = 5.0
+    assert decode("step", deferred.encode()).timers == {"forward": 80.0, "backward": 160.5}
+    assert deferred.build().timers == {"forward": 80.0, "backward": 160.5}
 
 
 def _all_numbers_may_do(model) -> bool:
@@ -110,6 +126,9 @@ def test_a_quickly_checked_record_is_written_as_pydantic_writes_it(model):
     dict(step=12, epoch=0.5, step_tokens=524288, duration_ms=812, loss=2.25, norm=0.9, lr=0.5),
     # no tokens: the derived rate stays None, left out as pydantic leaves it out
     dict(step=12, epoch=None, duration_ms=812.0, loss=2.25, norm=None, lr=0.5),
+    # Megatron's timers and a loss per name, ints among them
+    dict(step=12, duration_ms=250.0, loss=2.0, losses={"lm": 1.5, "aux": 0.25},
+         timers={"forward": 80, "backward": 160.0}),
 ])
 def test_a_training_loops_step_is_written_byte_for_byte_as_pydantic_writes_it(fields):
     for when in (1.7e9, 1.7e9 + 0.25):

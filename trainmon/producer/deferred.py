@@ -2,8 +2,8 @@
 
 Building and validating a pydantic record is the costliest part of a log call, and at
 training rates it runs with cold caches (a step every 100 ms or more), where it costs tens
-of times its warm price. Most calls pass plain Python ints and floats to number fields;
-for those, ``checked_values`` decides on the training thread, from the model's own
+of times its warm price. Most calls pass plain Python ints and floats to number fields
+(and maps of names to them: Megatron's timers, a loss per name); for those, ``checked_values`` decides on the training thread, from the model's own
 field declarations, that the schema will take the values (and converts them as pydantic
 would), and the record is written as JSON without pydantic (``encode``). Any other
 call -- a value of another type, a field with a type or validator the check does not
@@ -69,8 +69,10 @@ class DeferredRecord:
         return self.model.kind
 
     def build(self) -> Record:
+        # The checked values over the call's: a map in them is a copy taken at the call.
+        fields = self.fields if self.values is None else {**self.fields, **self.values}
         return self.model(**self.envelope, time=datetime.fromtimestamp(self.time, UTC),
-                          event_id=f"{self.id_prefix}-{self.id_number}", **self.fields)
+                          event_id=f"{self.id_prefix}-{self.id_number}", **fields)
 
     def encode(self) -> bytes:
         """The JSON of ``build()`` (the same record as ``schemas.encode`` writes; the
@@ -110,13 +112,15 @@ def _layout(model: type[Record]) -> tuple[dict, type, tuple]:
 
 
 class _Rule(typing.NamedTuple):
-    """What a number field takes: its type, None or not, inclusive bounds, validators."""
+    """What a number field takes: its type, None or not, inclusive bounds, validators;
+    or, for a map of names to numbers (``timers``, ``losses``), the type of its values."""
 
     number: type  # int or float
     nullable: bool  # None passes (and is left out of the record's JSON)
     low: float
     high: float
     validators: tuple
+    mapping: bool = False  # a dict of str -> number (no bounds, no validators)
 
 
 def checked_values(model: type[Record], fields: dict) -> dict | None:
@@ -132,11 +136,17 @@ def checked_values(model: type[Record], fields: dict) -> dict | None:
     values = {}
     try:
         for name, value in fields.items():
-            number, nullable, low, high, validators = rules[name]  # (KeyError: not a number field)
+            number, nullable, low, high, validators, mapping = rules[name]  # (KeyError: not a number field)
             if value is None:
                 if nullable:
                     continue  # not logged: left out of the record's JSON
                 return None
+            if mapping:
+                value = _checked_map(value, number)
+                if value is None:
+                    return None
+                values[name] = value
+                continue
             if type(value) is not number:
                 if not (type(value) is int and number is float
                         and -_EXACT_FLOAT_INT <= value <= _EXACT_FLOAT_INT):
@@ -151,6 +161,25 @@ def checked_values(model: type[Record], fields: dict) -> dict | None:
     except Exception:  # a field the check does not model, or a validator's refusal
         return None
     return values
+
+
+def _checked_map(value, number: type) -> dict | None:
+    """A copy of a map of names to numbers as the record will hold it (the caller may
+    reuse its dict for the next step), or None where pydantic must judge it."""
+    if type(value) is not dict:
+        return None
+    checked = {}
+    for key, item in value.items():
+        if type(key) is not str:
+            return None
+        if type(item) is not number:
+            if not (type(item) is int and number is float and -_EXACT_FLOAT_INT <= item <= _EXACT_FLOAT_INT):
+                return None
+            item = float(item)
+        if item != item:  # NaN: pydantic judges it, as for a number field
+            return None
+        checked[key] = item
+    return checked
 
 
 def passes_quick_check(model: type[Record], fields: dict) -> bool:
@@ -182,7 +211,8 @@ def field_rules(model: type[Record]) -> dict[str, _Rule]:
 
 
 def _number_rule(info: FieldInfo) -> _Rule | None:
-    """The rule of an int or float field (optionally None), or None for any other."""
+    """The rule of an int or float field, or of a plain map of names to ints or floats
+    (optionally None), or None for any other."""
     annotation, constraints = info.annotation, list(info.metadata)
     nullable = False
     if typing.get_origin(annotation) is typing.Union:
@@ -196,6 +226,11 @@ def _number_rule(info: FieldInfo) -> _Rule | None:
         annotation, *extra = typing.get_args(annotation)
         for item in extra:  # Field(ge=..) inside Annotated carries its own metadata
             constraints.extend(item.metadata if isinstance(item, FieldInfo) else [item])
+    if typing.get_origin(annotation) is dict:
+        key, number = typing.get_args(annotation)
+        if key is str and number in (int, float) and not constraints:
+            return _Rule(number, nullable, -math.inf, math.inf, (), mapping=True)
+        return None
     if annotation not in (int, float):
         return None
     low, high, validators = -math.inf, math.inf, []
