@@ -180,6 +180,21 @@ def test_a_bad_record_inside_a_packed_message_is_dead_lettered_alone(bootstrap, 
         assert service.stop() == 0
 
 
+def test_a_backlogs_last_batch_goes_in_once_read_not_after_the_batch_wait(bootstrap, topic_prefix, tmp_path):
+    """A catch-up's last batch (here 600 of at most 1,000 rows) is inserted once its
+    partition is read to the end, not --batch-ms (ten minutes here) after its first row."""
+    step_topic = topics.topic_for("step", topic_prefix)
+    records = [encode(StepRecord(**envelope(i, rank=0), step=i, loss=1.0)) for i in range(600)]
+    send_raw(bootstrap, [(step_topic, b"rt-run/0", pack(records[i:i + 100]), 0) for i in range(0, 600, 100)])
+
+    service = ClickHouseService(bootstrap, topic_prefix, tmp_path / "chdb", tmp_path / "svc.log")
+    service.start("--batch-rows", "1000", "--batch-ms", "600000")
+    try:
+        service.wait_for("SELECT count() FROM trainmon.step", 600, timeout=60)
+    finally:
+        assert service.stop() == 0
+
+
 def test_sigterm_writes_the_last_batch_and_commits(kafka_broker, bootstrap, topic_prefix, make_producer,
                                                    tmp_path):
     # All topics exist up front: no rebalance (which writes buffered rows) during the test.

@@ -145,10 +145,11 @@ class SinkContext:
         """The runtime's retry policy, for a sink's own bounded retries (e.g. in ``close``)."""
         return self._runtime.retry.retrying(self._runtime.stop, what, attempts)
 
-    def read_to_end(self) -> bool:
-        """Every assigned partition read up to its end as of the last fetch (no broker call)."""
+    def read_to_end(self, partitions: Iterable[TopicPartition] | None = None) -> bool:
+        """These partitions (default: every assigned one) read up to their end as of the
+        last fetch (no broker call)."""
         consumer = self.consumer
-        assigned = consumer.assignment()
+        assigned = consumer.assignment() if partitions is None else set(partitions)
         if not assigned:
             return False
         highs = {tp: consumer.watermarks(tp, cached=True)[1] for tp in assigned}
