@@ -87,24 +87,33 @@ class RecordStream:
         # Start from the most a message can pack: a first poll too small, never too big.
         self._records_per_message = float(MAX_RECORDS_PER_MESSAGE)
         self.topic_names = [topics.topic_for(k, self.prefix) for k in self.kinds]
-        ensure_topics([*self.topic_names, topics.topic_for(topics.DEADLETTER, self.prefix)], env)
+        # The topics there, asked once on the consumer's own connection: those missing are
+        # created (an admin client of its own costs ~60 ms at every start, measured) and
+        # trainmon-looking ones no consumer reads are named.
+        existing = self._existing_topics()
+        wanted = [*self.topic_names, topics.topic_for(topics.DEADLETTER, self.prefix)]
+        if existing is None or not existing.issuperset(wanted):
+            ensure_topics(wanted, env)
         # Rebalance callbacks: set by the consumer runtime (Consumer.listen) before its first poll.
         self.consumer.subscribe(self.topic_names)
         log.info("trainmon: %s joins as %s", group_id,
                  f"static member {self.instance_id}" if self.instance_id else "a dynamic member")
-        self._report_uncovered_topics()
+        if existing is not None:
+            self._report_uncovered_topics(existing)
 
-    def _report_uncovered_topics(self) -> None:
+    def _existing_topics(self) -> set[str] | None:
+        try:
+            return self.consumer.topics()
+        except Exception as exc:  # a start-up nicety: never a reason not to start
+            log.debug("trainmon: could not list topics: %s", exc)
+            return None
+
+    def _report_uncovered_topics(self, existing: set[str]) -> None:
         """Say at start which trainmon-looking topics no consumer reads (once per process
         and prefix): records on a misspelt topic are otherwise never seen."""
         if self.prefix in _REPORTED_PREFIXES:
             return
         _REPORTED_PREFIXES.add(self.prefix)
-        try:
-            existing = self.consumer.topics()
-        except Exception as exc:  # a start-up nicety: never a reason not to start
-            log.debug("trainmon: could not list topics: %s", exc)
-            return
         stray = topics.uncovered(existing, self.prefix)
         if stray:
             shown = ", ".join(stray[:20]) + (f" (+{len(stray) - 20} more)" if len(stray) > 20 else "")

@@ -20,14 +20,13 @@ def stored_positions(client, database: str, partitions: list[TopicPartition],
     by_topic: dict[str, set[int]] = defaultdict(set)
     for tp in partitions:
         by_topic[tp.topic].add(tp.partition)
-    positions = {}
-    for topic, wanted in by_topic.items():
-        kind = topics.kind_of(topic, topic_prefix)
-        result = client.query(
-            f"SELECT _partition, max(_offset) FROM {database}.{kind} "
-            "WHERE _topic = {topic:String} GROUP BY _partition",
-            parameters={"topic": topic})
-        for partition, last in result.result_rows:
-            if partition in wanted:
-                positions[TopicPartition(topic, partition)] = last + 1
-    return positions
+    if not by_topic:
+        return {}
+    # One query for all topics (a query per topic took ~40 ms for the 13 record topics).
+    names = sorted(by_topic)
+    sql = " UNION ALL ".join(
+        f"SELECT _topic, _partition, max(_offset) FROM {database}.{topics.kind_of(topic, topic_prefix)} "
+        f"WHERE _topic = {{t{i}:String}} GROUP BY _topic, _partition" for i, topic in enumerate(names))
+    result = client.query(sql, parameters={f"t{i}": topic for i, topic in enumerate(names)})
+    return {TopicPartition(topic, partition): last + 1 for topic, partition, last in result.result_rows
+            if partition in by_topic[topic]}
