@@ -162,7 +162,7 @@ def sender(scn: Scenario, prefix: str, bootstrap: str, spill_dir: str, index: in
     ranks = scn.ranks_of(index)
     # The record clock runs `speedup` times faster than the wall clock, so the producer's
     # pack window shrinks by as much: records are packed over as much record time as in a
-    # real run (250 ms), not `speedup` times more.
+    # real run (the default window), not `speedup` times more.
     window_ms = ProducerConfig.pack_window_ms / scn.speedup
     producer = Producer(ProducerConfig(bootstrap=bootstrap, topic_prefix=prefix, run_id=scn.run_id,
                                        rank=ranks[0], world_size=scn.ranks, spill_dir=Path(spill_dir),

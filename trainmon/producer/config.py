@@ -86,8 +86,12 @@ class ProducerConfig:
     linger_ms: int = 0
     # While records come faster than this, the sender thread sends one message per window
     # rather than one per record (see Worker): the added latency is at most the window,
-    # and only while the loop logs more often than once per window.
-    pack_window_ms: int = 250
+    # and only while the loop logs more often than once per window; a window ends early
+    # once it holds a full message (500 records). Below 1 s, so that a loop at 1 step/s
+    # still sends each record from its log call. At 10 steps/s, 0.8 s against 0.25 s
+    # took the process 199-212 µs of CPU per step against 308-323 (measured): a message
+    # costs the sender and librdkafka threads ~430 µs with cold caches.
+    pack_window_ms: int = 800
     batch_size: int = 256 * 1024
     # Kafka compression (lz4, gzip, zstd, None); AUTO_COMPRESSION: see default_compression.
     compression: str | None = AUTO_COMPRESSION
@@ -115,7 +119,7 @@ class ProducerConfig:
             compression=env.get("TRAINMON_KAFKA_COMPRESSION", AUTO_COMPRESSION) or None,
             checkpoint_dir=env.get("TRAINMON_CHECKPOINT_DIR") or None,
             disk_interval_s=_seconds(env.get("TRAINMON_DISK_INTERVAL_S"), 60.0),
-            pack_window_ms=int(_seconds(env.get("TRAINMON_PACK_WINDOW_MS"), 250)),
+            pack_window_ms=int(_seconds(env.get("TRAINMON_PACK_WINDOW_MS"), 800)),
         )
         if spill_dir:
             cfg.spill_dir = Path(spill_dir)

@@ -8,11 +8,12 @@ Sentry SDK's worker: never block the caller, flush at exit.
 No polling when there is nothing to do: the thread sleeps until a record arrives in an
 empty queue. It then needs the GIL, which the training thread holds until its burst of
 log calls is done, so records logged together (the GPU records of one sample) leave
-together. While records come faster than one message per ``pack_window_s`` (10 steps/s
-with a 250 ms window), it stops being woken per record and gathers them on a timer
+together. While records come faster than one message per ``pack_window_s`` (2 steps/s
+with a 0.8 s window), it stops being woken per record and gathers them on a timer
 instead, one message per window: a thread wake-up and a Kafka request cost far more than
-a record, and at these rates caches are cold at every wake. A record logged after a
-quiet spell leaves at once; none waits longer than the window. A bulk source sets
+a record, and at these rates caches are cold at every wake. A window ends early once a
+full message's worth (MAX_RECORDS_PER_MESSAGE) is queued, or for a flush. A record
+logged after a quiet spell leaves at once; none waits longer than the window. A bulk source sets
 ``linger_s`` to pack more per message. Kafka reports failed messages only (they are
 spilled); those are collected at each wake, and every few seconds while messages are
 unacknowledged; a flush collects them at once. While records wait in the spill file, it
@@ -133,6 +134,10 @@ class Worker:
         self._items: queue.SimpleQueue = queue.SimpleQueue()
         self._last_sent = -1e9  # monotonic time of the latest message handed to Kafka
         self._gathering = False  # records come faster than one message per pack window
+        # Ends a window early: set by a log call that finds a full message's worth queued
+        # (once per window: _full_said), and by flush / close.
+        self._window_over = threading.Event()
+        self._full_said = False
         self._served_at = 0.0  # monotonic time Kafka's reports were last collected
         self._start_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -183,6 +188,9 @@ class Worker:
         # After the put, not before: from here on no log call sends by itself until the
         # thread has delivered this record (a record sent at once would overtake it).
         self._watching = False
+        if self._gathering and not self._full_said and self._items.qsize() >= MAX_RECORDS_PER_MESSAGE:
+            self._full_said = True
+            self._window_over.set()
 
     def _send_now(self, topic: str, key: bytes, record: DeferredRecord, now: float) -> bool:
         """Send a record on the caller's thread; False where the thread must do it."""
@@ -231,6 +239,7 @@ class Worker:
         marker = _Flush(timeout)
         self._items.put(marker)
         self._watching = False
+        self._window_over.set()
         marker.done.wait(timeout + 1.0)
         return marker.ok
 
@@ -242,6 +251,7 @@ class Worker:
         if self._thread is not None:
             self._items.put(_Stop())
             self._watching = False
+            self._window_over.set()
             self._thread.join(timeout + 1.0)
         self._transport.close(timeout=max(0.5, timeout / 2))
         if self._spill.count:
@@ -300,7 +310,7 @@ class Worker:
         if self._gathering:
             # Sleep out the window instead of being woken per record; a window that
             # gathered nothing ends this, and the next record wakes the thread again.
-            self._sleep(self._last_sent + self._pack_window_s - time.monotonic())
+            self._wait_window(self._last_sent + self._pack_window_s - time.monotonic())
             items = self._drain([])
             self._gathering = bool(items)
             return items
@@ -316,9 +326,22 @@ class Worker:
                 self._sleep(self._linger_s)  # a bulk source: let more records join this one
             elif (wait := self._last_sent + self._pack_window_s - time.monotonic()) > 0:
                 # Records come faster than one message per window: this one joins the next.
-                self._sleep(wait)
                 self._gathering = True
+                self._wait_window(wait)
         return self._drain([first])
+
+    def _wait_window(self, seconds: float) -> None:
+        """Sleep out the pack window, or less (see _window_over). (_gathering is set by now:
+        a record queued from here on is seen by the log call that queues it.)"""
+        if self._items.qsize() >= MAX_RECORDS_PER_MESSAGE:
+            return
+        self._lock.release()
+        try:
+            self._window_over.wait(max(0.0, seconds))
+        finally:
+            self._window_over.clear()
+            self._full_said = False
+            self._lock.acquire()
 
     def _sleep(self, seconds: float) -> None:
         self._lock.release()
