@@ -3,8 +3,9 @@
 Building and validating a pydantic record is the costliest part of a log call, and at
 training rates it runs with cold caches (a step every 100 ms or more), where it costs tens
 of times its warm price. Most calls pass plain Python ints and floats to number fields
-(and maps of names to them: Megatron's timers, a loss per name); for those, ``checked_values`` decides on the training thread, from the model's own
-field declarations, that the schema will take the values (and converts them as pydantic
+(and maps of names to them: Megatron's timers, a loss per name); for those,
+``checked_values`` decides on the training thread, from the model's own field
+declarations, that the schema will take the values (and converts them as pydantic
 would), and the record is written as JSON without pydantic (``encode``). Any other
 call -- a value of another type, a field with a type or validator the check does not
 model, a missing or unknown argument -- is validated on the training thread as before,

@@ -8,15 +8,15 @@ Sentry SDK's worker: never block the caller, flush at exit.
 No polling when there is nothing to do: the thread sleeps until a record arrives in an
 empty queue. It then needs the GIL, which the training thread holds until its burst of
 log calls is done, so records logged together (the GPU records of one sample) leave
-together. While records come faster than one message per ``pack_window_s`` (2 steps/s
-with a 0.8 s window), it stops being woken per record and gathers them on a timer
-instead, one message per window: a thread wake-up and a Kafka request cost far more than
-a record, and at these rates caches are cold at every wake. A window ends early once a
-full message's worth (MAX_RECORDS_PER_MESSAGE) is queued, or for a flush. A record
-logged after a quiet spell leaves at once; none waits longer than the window. A bulk source sets
-``linger_s`` to pack more per message. Kafka reports failed messages only (they are
-spilled); those are collected at each wake, and every few seconds while messages are
-unacknowledged; a flush collects them at once. While records wait in the spill file, it
+together. While records come faster than one message per ``pack_window_s`` (above 1.25
+steps/s with a 0.8 s window), it stops being woken per record and gathers them on a
+timer instead, one message per window: a thread wake-up and a Kafka request cost far
+more than a record, and at these rates caches are cold at every wake. A window ends early
+once a full message's worth (MAX_RECORDS_PER_MESSAGE) is queued, and for a flush. A
+record logged after a quiet spell leaves at once; none waits longer than the window. A
+bulk source sets ``linger_s`` to pack more per message. Kafka reports failed messages
+only (they are spilled); those are collected at each wake, and every few seconds while
+messages are unacknowledged; a flush collects them at once. While records wait in the spill file, it
 wakes at their retry time. At 10 steps/s that is one wake per window.
 
 A record logged after a quiet spell, while the thread waits for work with everything
