@@ -102,8 +102,8 @@ def _all_numbers_may_do(model) -> bool:
 @pytest.mark.parametrize("model", [m for m in Record.registry.values() if _all_numbers_may_do(m)],
                          ids=lambda m: m.kind)
 def test_a_quickly_checked_record_is_written_as_pydantic_writes_it(model):
-    """DeferredRecord.encode (no pydantic) and the built record's JSON hold the same record:
-    ints in float fields become floats, defaults and derived fields are there, None is not."""
+    """DeferredRecord.encode (no pydantic) writes the bytes the built record's JSON has: ints in
+    float fields become floats, defaults and derived fields are there, None is not."""
     checks = field_rules(model)
     rng = random.Random(model.kind)
     required = {n: 1 for n, f in model.model_fields.items() if f.is_required() and n in checks}
@@ -116,8 +116,9 @@ def test_a_quickly_checked_record_is_written_as_pydantic_writes_it(model):
             continue
         when = 1.7e9 + rng.choice([0, 0.5, 0.000001, 0.123456])
         deferred = DeferredRecord(model, ENVELOPE, when, "prefix", number, fields)
-        built = encode(deferred.build())
-        assert decode(model.kind, deferred.encode()) == decode(model.kind, built), fields
+        # The same bytes, whatever order the fields were given in (ClickHouse parses a row
+        # whose keys come in its columns' order much faster).
+        assert deferred.encode() == encode(deferred.build()), fields
         written += 1
     assert written > 100
 
@@ -126,9 +127,10 @@ def test_a_quickly_checked_record_is_written_as_pydantic_writes_it(model):
     dict(step=12, epoch=0.5, step_tokens=524288, duration_ms=812, loss=2.25, norm=0.9, lr=0.5),
     # no tokens: the derived rate stays None, left out as pydantic leaves it out
     dict(step=12, epoch=None, duration_ms=812.0, loss=2.25, norm=None, lr=0.5),
-    # Megatron's timers and a loss per name, ints among them
-    dict(step=12, duration_ms=250.0, loss=2.0, losses={"lm": 1.5, "aux": 0.25},
-         timers={"forward": 80, "backward": 160.0}),
+    # Megatron's timers and a loss per name, ints among them, given out of the model's
+    # order, with a derived field (tokens_per_second) declared before them
+    dict(timers={"forward": 80, "backward": 160.0}, step=12, step_tokens=4096, duration_ms=250.0,
+         loss=2.0, losses={"lm": 1.5, "aux": 0.25}, skipped=0),
 ])
 def test_a_training_loops_step_is_written_byte_for_byte_as_pydantic_writes_it(fields):
     for when in (1.7e9, 1.7e9 + 0.25):
