@@ -16,8 +16,8 @@ once a full message's worth (MAX_RECORDS_PER_MESSAGE) is queued, and for a flush
 record logged after a quiet spell leaves at once; none waits longer than the window. A
 bulk source sets ``linger_s`` to pack more per message. Kafka reports failed messages
 only (they are spilled); those are collected at each wake, and every few seconds while
-messages are unacknowledged; a flush collects them at once. While records wait in the spill file, it
-wakes at their retry time. At 10 steps/s that is one wake per window.
+messages are unacknowledged; a flush collects them at once. While records wait in the
+spill file, it wakes at their retry time. At 10 steps/s that is one wake per window.
 
 A record logged after a quiet spell, while the thread waits for work with everything
 before it acknowledged, is sent by the log call itself (``_send_now``): building and
@@ -134,10 +134,9 @@ class Worker:
         self._items: queue.SimpleQueue = queue.SimpleQueue()
         self._last_sent = -1e9  # monotonic time of the latest message handed to Kafka
         self._gathering = False  # records come faster than one message per pack window
-        # Ends a window early: set by a log call that finds a full message's worth queued
-        # (once per window: _full_said), and by flush / close.
+        # Ends a window early: set by a log call that finds a full message's worth queued,
+        # and by flush / close.
         self._window_over = threading.Event()
-        self._full_said = False
         self._served_at = 0.0  # monotonic time Kafka's reports were last collected
         self._start_lock = threading.Lock()
         self._thread: threading.Thread | None = None
@@ -188,8 +187,8 @@ class Worker:
         # After the put, not before: from here on no log call sends by itself until the
         # thread has delivered this record (a record sent at once would overtake it).
         self._watching = False
-        if self._gathering and not self._full_said and self._items.qsize() >= MAX_RECORDS_PER_MESSAGE:
-            self._full_said = True
+        if (self._gathering and self._items.qsize() >= MAX_RECORDS_PER_MESSAGE
+                and not self._window_over.is_set()):
             self._window_over.set()
 
     def _send_now(self, topic: str, key: bytes, record: DeferredRecord, now: float) -> bool:
@@ -340,7 +339,6 @@ class Worker:
             self._window_over.wait(max(0.0, seconds))
         finally:
             self._window_over.clear()
-            self._full_said = False
             self._lock.acquire()
 
     def _sleep(self, seconds: float) -> None:
