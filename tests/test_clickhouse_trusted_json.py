@@ -23,7 +23,7 @@ from trainmon.consumers.clickhouse.columns import insert_batch, insert_json, jso
 from trainmon.consumers.clickhouse.ddl import create_all
 from trainmon.consumers.clickhouse.loader import stored_as_they_come
 from trainmon.consumers.stream import _lines_if_one_object_each
-from trainmon.producer.deferred import DeferredRecord, field_rules, passes_quick_check
+from trainmon.producer.deferred import DeferredRecord, checked_values, field_rules, passes_quick_check
 from trainmon.schemas import RECORD_TYPES, SCHEMA_HEADER, StepRecord, encode, pack, schema_fingerprint
 
 from .clickhouse_service import ClickHouseService, run_trainmon
@@ -88,7 +88,7 @@ def test_what_a_log_call_writes_without_pydantic_is_stored_as_its_record(chdb_cl
             fields[name] = rng.choice(ODD_VALUES)
         if passes_quick_check(model, fields) and not _required_missing(model, fields):
             deferred.append(DeferredRecord(model, ENVELOPE, 1.7e9 + rng.choice([0, 0.5, 0.123456]),
-                                           "deferred", number, fields))
+                                           "deferred", number, *checked_values(model, fields)))
     assert len(deferred) > 100
     offsets = list(range(len(deferred)))
     insert_json(chdb_client, model.kind, json_body(("t", 1, offsets), [d.encode() for d in deferred]),

@@ -60,7 +60,7 @@ def test_a_record_that_cannot_be_encoded_is_rejected_alone(make_producer, bootst
     # Records of plain numbers are written without pydantic (DeferredRecord.encode).
     real_deferred_encode = DeferredRecord.encode
     def deferred_encode_failing_step_3(record):
-        if record.fields["step"] == 3:
+        if dict(zip(record.names, record.values))["step"] == 3:
             raise RuntimeError("cannot encode step 3")
         return real_deferred_encode(record)
 

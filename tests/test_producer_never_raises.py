@@ -35,7 +35,7 @@ def make(tmp_path):
         # A record of plain numbers is queued unbuilt (the sender thread builds it): built
         # here, as the sender thread would.
         producer._worker.submit = lambda topic, key, record: producer.sent.append(
-            record.build() if isinstance(record, DeferredRecord) else record)
+            DeferredRecord.from_queued(record).build() if type(record) is tuple else record)
         made.append(producer)
         return producer
 

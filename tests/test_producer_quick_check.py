@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 import pytest
 from pydantic import ValidationError
 
-from trainmon.producer.deferred import DeferredRecord, checked_values, field_rules, passes_quick_check
+from trainmon.producer.deferred import DeferredRecord, checked_values, field_rules, passes_quick_check, queued
 from trainmon.schemas import Record, StepRecord, decode, encode
 
 ENVELOPE = {"run_id": "quick", "rank": 0, "world_size": 1, "host": "h"}
@@ -57,7 +57,7 @@ def test_a_training_loops_step_is_checked_quickly_and_built_the_same():
     fields = dict(step=12, epoch=0.5, step_tokens=524288, duration_ms=812.0, loss=2.25, norm=0.9,
                   lr=3e-4, loss_scale=65536.0, skipped=0)
     assert passes_quick_check(StepRecord, fields)
-    deferred = DeferredRecord(StepRecord, ENVELOPE, 1.7e9, "prefix", 7, fields)
+    deferred = DeferredRecord(StepRecord, ENVELOPE, 1.7e9, "prefix", 7, *checked_values(StepRecord, fields))
     record = deferred.build()
     assert record.event_id == "prefix-7" and record.time.timestamp() == 1.7e9
     assert record.tokens_per_second == pytest.approx(524288 / 0.812)  # derived, as ever
@@ -84,8 +84,8 @@ def test_a_map_is_taken_as_it_was_at_the_call():
     """A loop may reuse its timers dict for the next step: the record holds the values
     of the call, ints in a float map as floats, as pydantic copies them."""
     timers = {"forward": 80, "backward": 160.5}
-    deferred = DeferredRecord(StepRecord, ENVELOPE, 1.7e9, "prefix", 7, dict(step=1, loss=1.0, timers=timers),
-                              checked_values(StepRecord, dict(step=1, loss=1.0, timers=timers)))
+    deferred = DeferredRecord(StepRecord, ENVELOPE, 1.7e9, "prefix", 7,
+                              *checked_values(StepRecord, dict(step=1, loss=1.0, timers=timers)))
     timers.clear()
     timers["optimizer"] = 5.0
     assert decode("step", deferred.encode()).timers == {"forward": 80.0, "backward": 160.5}
@@ -115,7 +115,7 @@ def test_a_quickly_checked_record_is_written_as_pydantic_writes_it(model):
         if not passes_quick_check(model, fields) or _required_missing(model, fields):
             continue
         when = 1.7e9 + rng.choice([0, 0.5, 0.000001, 0.123456])
-        deferred = DeferredRecord(model, ENVELOPE, when, "prefix", number, fields)
+        deferred = DeferredRecord(model, ENVELOPE, when, "prefix", number, *checked_values(model, fields))
         # The same bytes, whatever order the fields were given in (ClickHouse parses a row
         # whose keys come in its columns' order much faster).
         assert deferred.encode() == encode(deferred.build()), fields
@@ -134,12 +134,11 @@ def test_a_quickly_checked_record_is_written_as_pydantic_writes_it(model):
 ])
 def test_a_training_loops_step_is_written_byte_for_byte_as_pydantic_writes_it(fields):
     for when in (1.7e9, 1.7e9 + 0.25):
-        deferred = DeferredRecord(StepRecord, ENVELOPE, when, "prefix", 7, fields)
+        deferred = DeferredRecord(StepRecord, ENVELOPE, when, "prefix", 7, *checked_values(StepRecord, fields))
         assert deferred.encode() == encode(deferred.build())
-        # as a log call hands it over: with the values the quick check wrote
-        values = checked_values(StepRecord, fields)
-        assert DeferredRecord(StepRecord, ENVELOPE, when, "prefix", 7, fields, values).encode() \
-            == encode(deferred.build())
+        # as a log call queues it, and the sender thread takes it
+        item = queued(StepRecord, tuple(ENVELOPE.items()), when, "prefix", 7, checked_values(StepRecord, fields))
+        assert DeferredRecord.from_queued(item).encode() == encode(deferred.build())
 
 
 def test_a_value_left_out_is_only_one_whose_default_is_none():
@@ -154,6 +153,6 @@ def test_a_value_left_out_is_only_one_whose_default_is_none():
     try:
         assert checked_values(WithDefault, dict(step=1, loss=1.0, scale=2.0)) is not None
         assert checked_values(WithDefault, dict(step=1, loss=1.0, scale=None)) is None
-        assert checked_values(WithDefault, dict(step=1, loss=None)) == {"step": 1}
+        assert checked_values(WithDefault, dict(step=1, loss=None)) == (("step",), (1,))
     finally:
         Record.registry.pop("test_with_default", None)

@@ -25,7 +25,7 @@ def test_every_record_type_round_trips_with_nan_and_inf(make_producer, bootstrap
     # (A record of plain numbers is queued unbuilt, for the sender thread to build: the
     # same record, as building it twice gives the same time and event id.)
     producer._worker.submit = lambda topic, key, record: (
-        sent.append(record.build() if isinstance(record, DeferredRecord) else record),
+        sent.append(DeferredRecord.from_queued(record).build() if type(record) is tuple else record),
         original_submit(topic, key, record))
     log_one_of_each(producer, step=7)
     assert producer.flush(20)

@@ -35,7 +35,7 @@ from ..schemas import (AllocatorRecord, CheckpointRecord, DatasetRecord, DiskRec
                        GpuHealthRecord, GpuModelRecord, GpuRecord, LogEventRecord, MoeRecord,
                        Record, RunRecord, StepRecord)
 from .config import ProducerConfig
-from .deferred import EARLIEST_TIME, LATEST_TIME, DeferredRecord, checked_values
+from .deferred import EARLIEST_TIME, LATEST_TIME, checked_values, queued
 from .disk import DiskSampler
 from .surogate import ConsoleLine, JsonLogFile
 from ..kafka_client.transport import TransportSettings, make_transport
@@ -94,6 +94,7 @@ class Producer:
         self._topics = {}
         self._envelope = {"run_id": cfg.run_id, "rank": cfg.rank,
                           "world_size": cfg.world_size, "host": cfg.host}
+        self._envelope_items = tuple(self._envelope.items())  # (see deferred.queued)
         self._new_id_prefix()
         self._run_open = False
         observers = []
@@ -142,8 +143,8 @@ class Producer:
         now = time.time()
         if EARLIEST_TIME <= now < LATEST_TIME and (values := checked_values(model, fields)) is not None:
             # Valid for certain: written without building the record (see deferred.py).
-            self._worker.submit(self._topic(model.kind), self._key, DeferredRecord(
-                model, self._envelope, now, self._id_prefix, next(self._ids), fields, values))
+            self._worker.submit(self._topic(model.kind), self._key, queued(
+                model, self._envelope_items, now, self._id_prefix, next(self._ids), values))
             return True
         if not ENVELOPE_FIELDS.isdisjoint(fields):  # (isdisjoint: the cheap test, per call)
             clash = ENVELOPE_FIELDS.intersection(fields)

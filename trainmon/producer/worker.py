@@ -170,10 +170,11 @@ class Worker:
     def spill_path(self):
         return self._spill.path
 
-    def submit(self, topic: str, key: bytes, record: Record | DeferredRecord) -> None:
+    def submit(self, topic: str, key: bytes, record: Record | tuple) -> None:
+        """Queue a record: built, or a log call's checked values (``deferred.queued``)."""
         if self._thread is None:
             self._start()
-        if self._watching and type(record) is DeferredRecord:
+        if self._watching and type(record) is tuple:  # (a log call's, see deferred.queued)
             now = time.monotonic()
             if now - self._last_sent >= self._pack_window_s and self._send_now(topic, key, record, now):
                 return
@@ -183,7 +184,8 @@ class Worker:
             if entry is not None:
                 self._keep([entry])
             return
-        self._items.put((topic, key, record))
+        # A log call's values go in flat, one tuple: see deferred.queued.
+        self._items.put((topic, key, record) if type(record) is not tuple else (topic, key, *record))
         # After the put, not before: from here on no log call sends by itself until the
         # thread has delivered this record (a record sent at once would overtake it).
         self._watching = False
@@ -191,7 +193,7 @@ class Worker:
                 and not self._window_over.is_set()):
             self._window_over.set()
 
-    def _send_now(self, topic: str, key: bytes, record: DeferredRecord, now: float) -> bool:
+    def _send_now(self, topic: str, key: bytes, record: tuple, now: float) -> bool:
         """Send a record on the caller's thread; False where the thread must do it."""
         if not self._lock.acquire(blocking=False):
             return False
@@ -391,7 +393,8 @@ class Worker:
         return False
 
     def _encode(self, item: tuple) -> Entry | None:
-        topic, key, record = item
+        topic, key = item[0], item[1]
+        record = item[2] if len(item) == 3 else DeferredRecord.from_queued(item[2:])
         if not self._observers:
             return self._entry(topic, key, record)
         encoded = self._encoded(record)
@@ -405,8 +408,10 @@ class Worker:
                 log.exception("trainmon: local log sink failed")
         return self._checked(topic, key, record, value)
 
-    def _entry(self, topic: str, key: bytes, record: Record | DeferredRecord) -> Entry | None:
+    def _entry(self, topic: str, key: bytes, record: Record | DeferredRecord | tuple) -> Entry | None:
         """The message of one record (the observers not told), or None once it is rejected."""
+        if type(record) is tuple:
+            record = DeferredRecord.from_queued(record)
         if type(record) is DeferredRecord and not self._observers:
             # A log call's numbers, written without pydantic: the path of nearly every
             # record of a training loop, kept short (it runs with cold caches).
