@@ -37,9 +37,10 @@ have several rows, so readers aggregate again (``min(min_duration_ms)``,
 
 from __future__ import annotations
 
+from .ddl import apply_table_settings, settings_sql
+
 # Every insert into the record tables: a deduplicated block is dropped by the views too.
 INSERT_SETTINGS = {"deduplicate_blocks_in_dependent_materialized_views": 1}
-_TABLE_SETTINGS = "SETTINGS non_replicated_deduplication_window = 10000"
 
 # Columns of step_stats: name -> (type, expression over the step rows of one insert).
 # NaN step times are NULL here (as in step_across_ranks), so one broken timer does not
@@ -104,7 +105,7 @@ def _rollup(db: str, name: str, keys: dict[str, tuple[str, str]], columns: dict[
     """CREATE TABLE, CREATE MATERIALIZED VIEW, and the backfill INSERT of one rollup."""
     definitions = [f"`{k}` {t}" for k, (t, _) in {**keys, **columns}.items()]
     table = (f"CREATE TABLE IF NOT EXISTS {db}.{name} (\n    " + ",\n    ".join(definitions) + "\n)\n"
-             f"ENGINE = AggregatingMergeTree\nORDER BY ({', '.join(keys)})\n{_TABLE_SETTINGS}")
+             f"ENGINE = AggregatingMergeTree\nORDER BY ({', '.join(keys)})\nSETTINGS {settings_sql()}")
     select = ("SELECT " + ", ".join(f"{e} AS `{k}`" for k, (_, e) in {**keys, **columns}.items())
               + f"\nFROM ({source.format(db=db)})\nGROUP BY {', '.join(keys)}")
     view = f"CREATE MATERIALIZED VIEW IF NOT EXISTS {db}.{name}_mv TO {db}.{name} AS\n{select}"
@@ -142,6 +143,7 @@ def create_rollups(client, database: str) -> list[str]:
                                     "AND name = {t:String}",
                                     parameters={"db": database, "t": name}).result_rows[0][0])
         client.command(table)
+        apply_table_settings(client, f"{database}.{name}")
         client.command(view)
         if not existed:
             client.command(backfill)
