@@ -125,14 +125,16 @@ class DeferredRecord:
 def queued(model: type[Record], envelope: tuple, time: float, id_prefix: str, id_number: int,
            checked: tuple[tuple, tuple]) -> tuple:
     """What a log call queues for the sender thread (``checked``: from checked_values;
-    ``envelope``: the envelope's items). Only strings, numbers and tuples of them, nested
-    no deeper than the worker's queue item around it holds this tuple's own.
+    ``envelope``: the envelope's items, one tuple the producer made once): strings,
+    numbers and tuples of them, nested one level. The worker's queue item is
+    ``(topic, key, *this)``, as flat.
 
-    Why: CPython's cyclic garbage collector stops tracking such a tuple once its items are
-    untracked, one level of nesting per pass over it. Kept as objects and dicts, records
-    waiting for the sender thread stayed tracked and made the collector's full passes ever
-    longer: a producer logging steps flat out spent a third of its CPU there (8 full passes,
-    0.8 of 2.3 CPU-s for 150,000 records, measured)."""
+    Why: CPython's cyclic garbage collector stops tracking a tuple whose items it tracks
+    no more, one level of nesting per pass over it, and never a tuple that holds a dict
+    or an object. Kept as objects and dicts, records waiting for the sender thread stayed
+    tracked and made the collector's full passes ever longer: a producer logging steps
+    flat out spent a third of its CPU there (8 full passes, 0.8 of 2.3 CPU-s for 150,000
+    records, measured)."""
     return (model.kind, envelope, time, id_prefix, id_number, *checked)
 
 
