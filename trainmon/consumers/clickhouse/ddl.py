@@ -54,7 +54,8 @@ DEDUP_WINDOW = 10_000
 # (~15 MB): each insert made ~150 files for the step table and its rollups, and creating
 # them (ext4 looking for free inodes) took as much of the loader's insert thread as
 # ClickHouse's own work. Draining 300,000 step records, alternating runs: insert thread
-# 1.7-2.0 s against 1.05-1.1, the drain 109-116k against 155-167k records/s (measured).
+# 1.7-2.0 s against 1.05-1.1; benchmarks/pipeline_throughput.py's service alone 109-116k
+# against 155-167k records/s (measured).
 # Merged parts above it are written wide, as ever.
 COMPACT_PART_BYTES = 256 << 20
 TABLE_SETTINGS = {"non_replicated_deduplication_window": DEDUP_WINDOW,
@@ -275,8 +276,9 @@ def create_all(client, database: str = "trainmon") -> None:
     (pre-aggregated tables the dashboards read, see :mod:`.rollups`) and the views.
 
     Safe to call at every start: existing tables only gain missing columns (and Nullable
-    where a field became optional) and this version's TABLE_SETTINGS, and the views are replaced (``CREATE OR REPLACE``), so
-    a view that gained a column has it after the next start.
+    where a field became optional) and this version's TABLE_SETTINGS, and the views are
+    replaced (``CREATE OR REPLACE``), so a view that gained a column has it after the next
+    start.
     """
     from .rollups import create_rollups
     from .views import create_views
