@@ -72,6 +72,7 @@ class DeferredRecord:
 
     @classmethod
     def from_queued(cls, item: tuple) -> "DeferredRecord":
+        # (The model is the one its kind is declared by: log calls are of declared kinds.)
         kind, envelope, time, id_prefix, id_number, names, values = item
         return cls(Record.registry[kind], dict(envelope), time, id_prefix, id_number, names, values)
 
