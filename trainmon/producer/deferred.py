@@ -8,8 +8,9 @@ of times its warm price. Most calls pass plain Python ints and floats to number 
 declarations, that the schema will take the values (and converts them as pydantic
 would), and the record is written as JSON without pydantic (``encode``). Any other
 call -- a value of another type, a field with a type or validator the check does not
-model, an empty map, a missing or unknown argument -- is validated on the training thread as before,
-so every call the check does not vouch for gets pydantic's verdict at once.
+model, an empty map, a missing or unknown argument -- is validated on the training
+thread as before, so every call the check does not vouch for gets pydantic's verdict at
+once.
 
 The check is conservative: it passes only values it can prove valid (a number's type is
 exactly ``int`` or ``float``; ``ge`` / ``le`` / ``gt`` / ``lt`` bounds; a field's own
