@@ -200,7 +200,7 @@ def test_straggler_state_survives_a_checkpoint():
     back; a checkpoint written before wait_s (pending steps as a list) still loads."""
     import json
 
-    from trainmon.consumers.alerts.ranks import StragglerRule
+    from trainmon.consumers.alerts.rules.ranks import StragglerRule
 
     engine = engine_with(rank_mismatch_grace_s=20)
     records = steps_of("ckpt", 8, range(60), slow={5: (50, 1.5)}, silent={2: 10})

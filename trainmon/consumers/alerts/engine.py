@@ -12,51 +12,13 @@ from collections import OrderedDict, defaultdict
 
 from ...schemas import RECORD_TYPES, AlertRecord, Record
 from .config import AlertsConfig
-from .health import (CheckpointDiskFillingRule, CheckpointOverdueRule, CheckpointSlowRule,
-                     EccCorrectedRisingRule, NcclWarningBurstRule)
 from .incidents import IncidentBook
-from .ranks import RankMismatchRule, StalledRule, StragglerRule, TickRule
-from .rules import (EvalDivergenceRule, EvalLossSpikeRule, ExplodingGradRule, FrozenGradNormRule,
-                    FrozenLossRule, GpuTemperatureRule, GpuThrottleRule, GradSpikeRule,
-                    IterationTimeSpikeRule, LossDivergenceRule, LossPlateauRule, LossScaleCollapseRule,
-                    LossSpikeRule, LrZeroRule, MoeAuxLossRule, MoeZLossRule, NonFiniteRule,
-                    RunFailedRule, SkippedIterationsRule, ThresholdRule, ThroughputDropRule)
+from .rules import RULES, TickRule
 from .state import RunState
 from .thresholds import THRESHOLD_RULES
 
-# Every rule: the classes with real logic, then one ThresholdRule per entry of
-# thresholds.THRESHOLD_RULES (rules as data). The order is config.RULE_CONFIGS's.
-RULE_CLASSES = {
-    "non_finite": NonFiniteRule,
-    "grad_spike": GradSpikeRule,
-    "exploding_grad": ExplodingGradRule,
-    "frozen_grad_norm": FrozenGradNormRule,
-    "loss_spike": LossSpikeRule,
-    "loss_divergence": LossDivergenceRule,
-    "loss_plateau": LossPlateauRule,
-    "frozen_loss": FrozenLossRule,
-    "eval_loss_spike": EvalLossSpikeRule,
-    "eval_divergence": EvalDivergenceRule,
-    "loss_scale_collapse": LossScaleCollapseRule,
-    "skipped_iterations": SkippedIterationsRule,
-    "lr_zero": LrZeroRule,
-    "iteration_time_spike": IterationTimeSpikeRule,
-    "throughput_drop": ThroughputDropRule,
-    "straggler": StragglerRule,
-    "rank_mismatch": RankMismatchRule,
-    "stalled": StalledRule,
-    "run_failed": RunFailedRule,
-    "gpu_temperature": GpuTemperatureRule,
-    "gpu_throttle": GpuThrottleRule,
-    "moe_aux_loss": MoeAuxLossRule,
-    "moe_z_loss": MoeZLossRule,
-    "ecc_corrected_rising": EccCorrectedRisingRule,
-    "checkpoint_overdue": CheckpointOverdueRule,
-    "checkpoint_slow": CheckpointSlowRule,
-    "checkpoint_disk_filling": CheckpointDiskFillingRule,
-    "nccl_warning_burst": NcclWarningBurstRule,
-    **{spec.name: ThresholdRule for spec in THRESHOLD_RULES},
-}
+# Every rule by name, in the order the engine runs them on one record (rules/__init__.py).
+RULE_CLASSES = {name: entry.rule for name, entry in RULES.items()}
 # The kinds the service reads: the engine's own (run lifecycle, step progress) and every
 # rule's, in the models' order; a rule over a new kind adds it here by naming it.
 INPUT_KINDS = tuple(kind for kind in RECORD_TYPES if kind in {
@@ -64,7 +26,7 @@ INPUT_KINDS = tuple(kind for kind in RECORD_TYPES if kind in {
     *(spec.kind for spec in THRESHOLD_RULES)})
 SILENCE_RULES = ("stalled",)  # stay open when a silent run is forgotten: it is still silent
 MAX_TOMBSTONES = 10_000
-STATE_VERSION = 2  # 2: the rules' own state changed shape (robust baselines)
+STATE_VERSION = 3  # 3: the rules' state saved by field name (rules/codec.py); 2: robust baselines
 
 
 def _add(out: list, found) -> None:

@@ -25,7 +25,7 @@ from datetime import datetime, timezone
 from typing import Callable, Iterable
 
 from ...schemas import AlertRecord
-from .config import RuleConfig
+from .rule_config import RuleConfig
 
 UTC = timezone.utc
 WHOLE_RUN = -1  # rank key of observations made for the run as a whole (mismatch, stall)

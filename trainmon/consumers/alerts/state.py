@@ -47,11 +47,17 @@ class RunState:
         self.seen_times: list[float] = []
         self.seen_received: list[float] = []  # wall clock when the engine first saw each step
         self.step_seconds = RollingMedian(51)
-        self.slots: dict[str, Any] = {}  # run-wide rule state
+        self.slots: dict[str, Any] = {}  # run-wide rule state (the rules that compare ranks)
         self.ended_count = 0
         self.pending_ends: set[int] = set()  # ranks whose end the incidents have not seen yet
         self.end_status: str | None = None
         self.total_steps: int | None = None  # the planned number of steps, when logged
+
+    def slot(self, rule) -> Any:
+        state = self.slots.get(rule.name)
+        if state is None:
+            state = self.slots[rule.name] = rule.new_run_state()
+        return state
 
     def rank(self, rank: int, host: str, world_size: int) -> RankState:
         rs = self.ranks.get(rank)

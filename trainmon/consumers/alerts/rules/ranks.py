@@ -11,35 +11,57 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Optional
 
-from .incidents import WHOLE_RUN
-from .rules import RUN, Rule
-from .state import RankState, RunState
+from pydantic import Field
+
+from ..rule_config import RuleConfig, Severity
+from ..state import RankState, RunState
+from .base import Rule, TickRule
+from .codec import transient
 
 
-class _Pending:
+class Straggler(RuleConfig):
+    factor: float = Field(1.3, gt=1)  # step time > factor x median of all ranks at that step
+    min_ranks: int = Field(3, ge=2)
+    timer: Optional[str] = None  # compare timers[timer] instead of duration_ms
+    # A step still missing ranks this long (record time) after its first report is judged
+    # with the ranks it has; the missing ones are not waited for until they report again.
+    wait_s: float = Field(30.0, gt=0)
+    # An open incident resolves once the rank's step time is back within clear_factor x
+    # the median (None: halfway between 1 and factor, 1.15 for 1.3): no flapping on jitter.
+    clear_factor: Optional[float] = Field(None, gt=1)
+    fire_after: int = Field(5, ge=1)
+    cooldown_s: float = Field(300.0, ge=0)
+
+
+@dataclass(slots=True)
+class PendingSteps:
     """The straggler rule's run-wide state: step times of the steps not judged yet, and
     the ranks no longer waited for. ``seq`` counts the step times observed for the run, so
     ``heard`` (a rank's latest) and ``opened`` (a step's first) say who reported what
-    after what, in the order the engine read them."""
+    after what, in the order the engine read them. That arrival bookkeeping is not saved:
+    after a restore a step past wait_s gives up on the ranks that have reported nothing
+    since the restore."""
 
-    __slots__ = ("steps", "since", "opened", "absent", "unseen_absent", "seq", "heard", "recheck",
-                 "judged", "top", "clock")
+    steps: dict[int, dict[int, tuple[float, float]]] = field(default_factory=dict)  # step -> rank -> (value, t)
+    since: dict[int, float] = field(default_factory=dict)  # step -> record time of its first report
+    absent: set[int] = field(default_factory=set)  # ranks given up on; waited for again once they report
+    unseen_absent: int = 0  # ranks never seen, no longer waited for
+    opened: dict[int, int] = transient(default_factory=dict)  # step -> seq of its first report
+    seq: int = transient(default=0)
+    heard: dict[int, int] = transient(default_factory=dict)  # rank -> seq of its latest step time
+    recheck: int = transient(default=0)  # the seq from which a step past wait_s is looked at again
+    judged: dict[int, int] = transient(default_factory=dict)  # rank -> the newest step it had a verdict at
+    top: int = transient(default=-1)  # the run's highest step so far (lower again: its steps started over)
+    # The newest step-record time: wait_s runs on it, not on the run's clock, which GPU
+    # or MoE records read ahead of the step topic (a replay, a warm-up) would push on.
+    clock: float = transient(default=0.0)
 
-    def __init__(self):
-        self.steps: dict[int, dict[int, tuple[float, float]]] = {}  # step -> rank -> (value, t)
-        self.since: dict[int, float] = {}  # step -> record time of its first report
-        self.opened: dict[int, int] = {}  # step -> seq of its first report
-        self.absent: set[int] = set()  # ranks given up on; waited for again once they report
-        self.unseen_absent = 0  # ranks never seen, no longer waited for
-        self.seq = 0
-        self.heard: dict[int, int] = {}  # rank -> seq of its latest step time
-        self.recheck = 0  # the seq from which a step past wait_s is looked at again
-        self.judged: dict[int, int] = {}  # rank -> the newest step it had a verdict at
-        self.top = -1  # the run's highest step so far (lower again: its steps started over)
-        # The newest step-record time: wait_s runs on it, not on the run's clock, which GPU
-        # or MoE records read ahead of the step topic (a replay, a warm-up) would push on.
-        self.clock = 0.0
+    def on_load(self) -> None:
+        self.opened = dict.fromkeys(self.steps, 0)
+        self.clock = max((t for got in self.steps.values() for _, t in got.values()), default=0.0)
 
     def open(self, step: int, t: float) -> dict:
         self.steps[step] = got = {}
@@ -53,7 +75,7 @@ class _Pending:
         return self.steps.pop(step)
 
 
-class StragglerRule(Rule):
+class StragglerRule(Rule, name="straggler", config=Straggler):
     """A rank whose step time exceeds ``factor`` x the median of all ranks at that step.
 
     Ranks sit on different partitions, which are not read in lockstep, so a step is judged
@@ -66,15 +88,24 @@ class StragglerRule(Rule):
     back, and a partition read behind the others is still judged with its peers."""
 
     kinds = ("step",)
+    run_state = PendingSteps
+    fires_when = ("a rank's step time > {factor} x the median of all ranks at that step (needs "
+                  "{min_ranks}; `timer`: compare `timers[timer]` instead of `duration_ms`); open "
+                  "until the rank is back within `clear_factor` x the median (default halfway, "
+                  "1.15: a rank near the limit does not resolve and fire again on jitter). A step is "
+                  "judged once every rank has reported it, or {wait_s} s of step-record time (other "
+                  "kinds read ahead do not count) after its first report with the ranks it has; "
+                  "ranks it lacked (silent, far behind) are not waited for again until they report")
+    catches = "one slow rank holding up the others"
+    checked_on = ("tests (the corpus logs print one rank); benchmarks/scale.py (1,024 ranks, a 20 % "
+                  "straggler with `factor` 1.15, one rank silent before it)")
     MAX_PENDING_STEPS = 256  # a memory bound: past it the oldest step is judged as it is
 
     def observe(self, r, t, run, rank):
         value = r.duration_ms if self.cfg.timer is None else (r.timers or {}).get(self.cfg.timer)
         if value is None or math.isnan(value):
             return None  # not logged (or NaN): this rank has no time to compare at this step
-        p = run.slots.get(self.name)
-        if p is None:
-            p = run.slots[self.name] = _Pending()
+        p = run.slot(self)
         p.seq += 1
         p.heard[rank.rank] = p.seq
         p.clock = max(p.clock, t)
@@ -109,7 +140,7 @@ class StragglerRule(Rule):
         return out
 
     @staticmethod
-    def _expected(run: RunState, p: _Pending) -> int:
+    def _expected(run: RunState, p: PendingSteps) -> int:
         """Ranks a step waits for: those still reporting, less those given up on; ranks not
         seen yet (their partition is read later) are still expected, or the straggler's own
         values could be judged with no peers at all."""
@@ -119,7 +150,7 @@ class StragglerRule(Rule):
         return run.reporting_ranks() + unseen - absent
 
     @staticmethod
-    def _give_up_on_silent(run: RunState, p: _Pending, step: int) -> tuple[bool, bool]:
+    def _give_up_on_silent(run: RunState, p: PendingSteps, step: int) -> tuple[bool, bool]:
         """For a step past wait_s: give up on the ranks it lacks that have not reached it
         and reported no step time since it was first reported, and on the ranks never seen.
         Returns (still waiting for ranks that report, behind it; gave up on any)."""
@@ -139,7 +170,7 @@ class StragglerRule(Rule):
             gave_up = True
         return waiting and len(values) < StragglerRule._expected(run, p), gave_up
 
-    def _judge(self, run: RunState, step: int, values: dict, p: _Pending):
+    def _judge(self, run: RunState, step: int, values: dict, p: PendingSteps):
         if len(values) < self.cfg.min_ranks:
             return []
         median = statistics.median(v for v, _ in values.values())
@@ -175,49 +206,34 @@ class StragglerRule(Rule):
                 out.append(a)
         return out
 
-    def dump_run_state(self, p):
-        # The arrival bookkeeping (seq, heard, opened) is not kept: after a restore a step
-        # past wait_s gives up on the ranks that have reported nothing since the restore.
-        return {"steps": [[step, p.since.get(step), [[rank, v, t] for rank, (v, t) in got.items()]]
-                          for step, got in p.steps.items()],
-                "absent": sorted(p.absent), "unseen_absent": p.unseen_absent}
-
     def load_run_state(self, data):
-        p = _Pending()
-        if isinstance(data, list):  # before wait_s: [[step, [[rank, v, t], ...]], ...]
+        """Also the shapes of older checkpoints: a list of pending steps (before wait_s) and
+        engine state version 2's ``{"steps": [[step, since, [[rank, v, t], ...]], ...]}``."""
+        if isinstance(data, list):
             data = {"steps": [[step, None, got] for step, got in data]}
-        for step, since, got in data["steps"]:
-            p.open(step, since if since is not None else min((t for _, _, t in got), default=0.0))
-            p.steps[step].update((rank, (v, t)) for rank, v, t in got)
-        p.absent = set(data.get("absent", ()))
-        p.unseen_absent = data.get("unseen_absent", 0)
-        p.clock = max((t for _, _, got in data["steps"] for _, _, t in got), default=0.0)
-        return p
+        if isinstance(data.get("steps"), list):
+            steps = data["steps"]
+            data = {"steps": {step: {rank: (v, t) for rank, v, t in got} for step, _, got in steps},
+                    "since": {step: since if since is not None else min((t for _, _, t in got), default=0.0)
+                              for step, since, got in steps},
+                    "absent": data.get("absent", ()), "unseen_absent": data.get("unseen_absent", 0)}
+        return super().load_run_state(data)
 
 
-class TickRule(Rule):
-    kinds = ()
-    whole_run = True
-
-    def tick(self, run: RunState, wall: float | None):
-        """``wall``: the wall clock (less the slack) for a live run, None to decide on
-        record time alone."""
-        raise NotImplementedError
-
-    def bad_run(self, run: RunState, ranks: list[RankState], **kw):
-        host = ranks[0].host if ranks else next(iter(run.ranks.values())).host
-        return self.book.bad(self.cfg, self.name, run.run_id, RUN, WHOLE_RUN,
-                             ranks=[rs.rank for rs in ranks], world_size=run.world_size, host=host,
-                             check_stale=False, **kw)
-
-    def good_run(self, run: RunState, now: float):
-        return self.book.good(self.cfg, self.name, run.run_id, RUN, WHOLE_RUN, step=run.max_step,
-                              time=now, check_stale=False)
+class RankMismatch(RuleConfig):
+    severity: Severity = "critical"
+    grace_s: float = Field(60.0, gt=0)
+    min_steps_behind: int = Field(1, ge=1)
 
 
-class RankMismatchRule(TickRule):
+class RankMismatchRule(TickRule, name="rank_mismatch", config=RankMismatch):
     """Ranks of one run at different latest steps for longer than ``grace_s``, e.g. one
     rank stopped reporting while the others advance."""
+
+    fires_when = ("ranks of a run at different latest steps, some behind (by >= {min_steps_behind}) "
+                  "for longer than {grace_s}; names the lagging ranks and their steps")
+    catches = "one rank hung while the others wait in a collective"
+    checked_on = "tests, the demo"
 
     def tick(self, run, wall):
         now = run.clock if wall is None else max(run.clock, wall)
@@ -259,7 +275,6 @@ class RankMismatchRule(TickRule):
                                 f"{rank_summary(active, lagging)}; behind for {worst:.0f} s "
                                 f"(grace {self.cfg.grace_s:g} s)"))
 
-
     @staticmethod
     def behind_for(run: RunState, step: int, wall: float | None) -> float:
         """Seconds since the run first passed ``step``: by the other ranks' record times,
@@ -275,11 +290,26 @@ class RankMismatchRule(TickRule):
         return max(by_records, min(wall - since, wall - received))
 
 
-class StalledRule(TickRule):
+class Stalled(RuleConfig):
+    severity: Severity = "critical"
+    factor: float = Field(10.0, gt=1)  # no new step for factor x median step time ...
+    min_s: float = Field(300.0, gt=0)  # ... and at least this long
+
+
+class StalledRule(TickRule, name="stalled", config=Stalled):
     """No rank of a live run reported a new step for ``factor`` x its median step time, and
     no run end came: the job hangs, or died without a word (kill -9, a lost node). It stays
     open while the run is silent, also once the engine forgets the run's windows after
     ``live_run_max_age_s``; a new step or the run's end resolves it."""
+
+    fires_when = ("no rank of a live run reported a new step for {factor} x its median step time "
+                  "and at least {min_s} s, no run end came, and the run is not at its planned last "
+                  "step (`total_steps`); stays open while the run is silent, also past "
+                  "`live_run_max_age_s`")
+    catches = "a job that hangs, or died without a run end (kill -9, a lost node)"
+    checked_on = ("megatron-deepspeed-v100-2node-log-stops-iter8.log (ends after iteration 8 of "
+                  "20); silent on nanogpt-tinystories-50m-healthy.log (ends at iteration 6000 of "
+                  "6000 without a run end)")
 
     def tick(self, run, wall):
         now = run.clock if wall is None else max(run.clock, wall)
