@@ -1,4 +1,4 @@
-"""Every rule with logic of its own (rules.py, ranks.py), in memory: a synthetic run with
+"""Every rule with logic of its own (the modules of rules/), in memory: a synthetic run with
 the anomaly fires it at the right step, and its healthy twin (the same run without the
 anomaly) fires nothing at all. The threshold rules (thresholds.py) have their cases in
 test_alerts_thresholds.py; the Kafka path end to end is test_alerts_kafka.py.

@@ -12,8 +12,8 @@ Adding one: an entry in ``THRESHOLD_RULES`` below and a case in
 ``tests/test_alerts_thresholds.py`` (a record that fires it and its healthy twin); the
 rules table of docs/alerts.md is generated from here
 (``python -m trainmon.consumers.alerts`` prints it). Rules with real logic (a
-baseline of the run's own values, a trend, a warm-up, several ranks) are classes in
-rules.py / ranks.py.
+baseline of the run's own values, a trend, a warm-up, several ranks) are classes in the
+modules of rules/; rules/thresholds.py registers these entries and runs them.
 """
 
 from __future__ import annotations
