@@ -23,7 +23,7 @@ from trainmon.consumers.metric_names import scalars
 from trainmon.producer.surogate import ConsoleLine, JsonLogFile
 from trainmon.schemas import EvalRecord, RunRecord, StepRecord, decode, encode
 
-from .alerts_support import synthetic_run
+from .alerts_support import process_records, synthetic_run
 
 REPO = Path(__file__).resolve().parents[1]
 T0 = datetime(2026, 4, 1, 8, 0, 0, tzinfo=timezone.utc)
@@ -152,18 +152,11 @@ def drop(*names, at=None):
     return mutate
 
 
-def run_engine(engine, records):
-    out = []
-    for record in records:
-        out.extend(engine.process(record))
-    return out
-
-
 def test_alert_engine_treats_absent_values_as_no_data():
     engine = AlertEngine(load_config(env={}))
     records = synthetic_run("bare", t0=time.time() - 900, ranks=3, steps=60,
                             mutate=drop("norm", "duration_ms", "lr", "step_tokens", "epoch"))
-    alerts = run_engine(engine, records)
+    alerts = process_records(engine, records)
     alerts += engine.tick(time.time())
     assert alerts == []
     assert engine.runs == {}  # ended and forgotten, no crash on the way
@@ -180,7 +173,7 @@ def test_a_step_without_norm_neither_fires_nor_resolves_a_norm_incident():
             step["loss"] = math.nan
             step.pop("norm")
     engine = AlertEngine(load_config(env={}))
-    alerts = run_engine(engine, synthetic_run("gap", t0=time.time() - 900, steps=45, mutate=mutate,
+    alerts = process_records(engine, synthetic_run("gap", t0=time.time() - 900, steps=45, mutate=mutate,
                                               end=False))
     spike = [(a.state, a.step) for a in alerts if a.rule == "grad_spike"]
     # fires at 30; the steps without a norm say nothing; step 34's healthy norm resolves it
@@ -198,7 +191,7 @@ def test_nan_step_times_do_not_poison_the_step_time_rules():
         if s % 2:
             step["duration_ms"] = math.nan
     engine = AlertEngine(load_config(env={}))
-    alerts = run_engine(engine, synthetic_run("nan-ms", t0=time.time() - 900, ranks=3, steps=60,
+    alerts = process_records(engine, synthetic_run("nan-ms", t0=time.time() - 900, ranks=3, steps=60,
                                               mutate=mutate, end=False))
     assert [a for a in alerts if a.rule in ("iteration_time_spike", "straggler")] == []
     step_seconds = engine.runs["nan-ms"].step_seconds.values
