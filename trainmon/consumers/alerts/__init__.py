@@ -5,7 +5,9 @@ Grafana annotations.
     engine = AlertEngine(load_config())          # defaults < YAML file < TRAINMON_ALERT_* env
     alerts = engine.process(record) + engine.tick(now)
 
-``trainmon consume alerts`` runs it as a service (service.py); docs/alerts.md lists the rules.
+``trainmon consume alerts`` runs it as a service (service.py). The rules are classes in
+rules/, one module per family, each registered with its name and settings; docs/alerts.md
+lists them (tables generated from them).
 """
 
 from .config import AlertsConfig, ConfigError, load_config

@@ -1,14 +1,15 @@
 """``python -m trainmon.consumers.alerts``: print the rules tables of docs/alerts.md, each
-generated from the rules (rules/docs.py) or, for the threshold rules, from
-thresholds.THRESHOLD_RULES."""
+generated from the rules (rules/docs.py); ``--write docs/alerts.md`` replaces them there."""
 
-from .rules.docs import class_rule_families, markdown_table
-from .thresholds import markdown_table as threshold_table
+import sys
+from pathlib import Path
 
-LOGIC = [f for f in class_rule_families() if f != "health"]
-print(f"<!-- rules with logic of their own: rules/{', rules/'.join(LOGIC)} -->")
-print(markdown_table(LOGIC))
-print("\n<!-- GPU health, checkpoints, warnings in the log: rules/health.py -->")
-print(markdown_table(["health"]))
-print("\n<!-- threshold rules: thresholds.py -->")
-print(threshold_table())
+from .rules.docs import tables, update
+
+if sys.argv[1:2] == ["--write"] and len(sys.argv) == 3:
+    path = Path(sys.argv[2])
+    path.write_text(update(path.read_text()))
+elif len(sys.argv) == 1:
+    print("\n\n".join(f"<!-- {heading} -->\n{table}" for heading, table in tables().items()))
+else:
+    sys.exit("usage: python -m trainmon.consumers.alerts [--write docs/alerts.md]")

@@ -11,7 +11,7 @@ rule's (YAML ``rules: {gpu_memory_low: {min_free_bytes: 2147483648}}`` or
 Adding one: an entry in ``THRESHOLD_RULES`` below and a case in
 ``tests/test_alerts_thresholds.py`` (a record that fires it and its healthy twin); the
 rules table of docs/alerts.md is generated from here
-(``python -m trainmon.consumers.alerts`` prints it). Rules with real logic (a
+(``python -m trainmon.consumers.alerts --write docs/alerts.md``). Rules with real logic (a
 baseline of the run's own values, a trend, a warm-up, several ranks) are classes in the
 modules of rules/; rules/thresholds.py registers these entries and runs them.
 """

@@ -1,13 +1,16 @@
 """The rules tables of docs/alerts.md, generated from the rules themselves: each row is a
 rule's ``fires_when`` / ``catches`` / ``checked_on`` with the defaults of its settings
-model filled in, so a changed default cannot leave the docs behind
-(``python -m trainmon.consumers.alerts`` prints them; a test checks the docs hold them)."""
+model filled in, so a changed default cannot leave the docs behind. The threshold rules'
+table comes from thresholds.THRESHOLD_RULES. ``python -m trainmon.consumers.alerts``
+prints the tables, ``--write docs/alerts.md`` puts them in place; a test checks the docs
+are current."""
 
 from __future__ import annotations
 
 import re
 from typing import Any, Iterable
 
+from ..thresholds import markdown_table as threshold_table
 from .base import RULES, Registered
 
 HEADER = ("| rule | fires when (defaults) | severity | fire / clear / cooldown | catches | checked on |\n"
@@ -59,3 +62,20 @@ def markdown_table(families: Iterable[str]) -> str:
 def class_rule_families() -> list[str]:
     """The families of rules with logic of their own, in the registry's order."""
     return list(dict.fromkeys(family(e) for e in RULES.values() if family(e) != "thresholds"))
+
+
+def tables() -> dict[str, str]:
+    """Each generated table by the heading of docs/alerts.md it sits under."""
+    logic = [f for f in class_rule_families() if f != "health"]
+    return {"### Rules with logic of their own": markdown_table(logic),
+            "### GPU health, checkpoints, warnings in the log": markdown_table(["health"]),
+            "### Threshold rules": threshold_table()}
+
+
+def update(doc: str) -> str:
+    """``doc`` with the first table after each heading replaced by the generated one."""
+    for heading, table in tables().items():
+        start = doc.index("\n| rule |", doc.index(heading)) + 1
+        end = doc.find("\n\n", start)
+        doc = doc[:start] + table + (doc[end:] if end >= 0 else "\n")
+    return doc

@@ -45,7 +45,8 @@ class PendingSteps:
     after a restore a step past wait_s gives up on the ranks that have reported nothing
     since the restore."""
 
-    steps: dict[int, dict[int, tuple[float, float]]] = field(default_factory=dict)  # step -> rank -> (value, t)
+    # step -> rank -> (step time, record time), in the order the steps were first reported
+    steps: dict[int, dict[int, tuple[float, float]]] = field(default_factory=dict)
     since: dict[int, float] = field(default_factory=dict)  # step -> record time of its first report
     absent: set[int] = field(default_factory=set)  # ranks given up on; waited for again once they report
     unseen_absent: int = 0  # ranks never seen, no longer waited for
