@@ -1,6 +1,6 @@
 """One loader batch of step records is written as compact parts (one file for all its
 columns), in a new database and in one an older version made with ClickHouse's default
-limit (see ddl.COMPACT_PART_BYTES). chDB in a child process (it hosts one data directory
+limit (see settings.COMPACT_PART_BYTES). chDB in a child process (it hosts one data directory
 per process)."""
 
 from __future__ import annotations

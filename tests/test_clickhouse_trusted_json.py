@@ -20,7 +20,7 @@ import pytest
 from trainmon import topics
 from trainmon.consumers.clickhouse.client import Target, connect
 from trainmon.consumers.clickhouse.columns import insert_batch, insert_json, json_body, json_ready
-from trainmon.consumers.clickhouse.ddl import create_all
+from trainmon.consumers.clickhouse import create_all
 from trainmon.consumers.clickhouse.loader import stored_as_they_come
 from trainmon.consumers.stream import _lines_if_one_object_each
 from trainmon.producer.deferred import DeferredRecord, checked_values, field_rules, passes_quick_check

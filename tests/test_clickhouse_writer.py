@@ -14,7 +14,7 @@ from clickhouse_connect.driver.exceptions import OperationalError
 
 from trainmon.consumers.clickhouse import loader
 from trainmon.consumers.clickhouse.client import Target, connect
-from trainmon.consumers.clickhouse.ddl import create_all
+from trainmon.consumers.clickhouse import create_all
 from trainmon.consumers.clickhouse.writer import BackgroundWriter
 from trainmon.consumers.stream import Message
 from trainmon.kafka_client import TopicPartition

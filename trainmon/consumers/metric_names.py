@@ -127,14 +127,11 @@ def allocator_breakdown(record: AllocatorRecord) -> list[tuple[str, float]]:
 
 
 def stream_key(record: Record) -> str:
-    """The ordered stream a record belongs to within its run: records of one
-    (rank, kind[, GPU id]) share a Kafka partition and arrive in the order sent."""
-    key = f"{record.rank}/{record.kind}"
-    if isinstance(record, (GpuRecord, GpuHealthRecord)):
-        key += f"/{record.id}"
-    elif isinstance(record, CheckpointRecord):
-        key += f"/{record.event}"  # a save's "started" and "saved" share a step
-    return key
+    """The ordered stream a record belongs to within its run: records of one rank, kind
+    and the values of the fields its model names in ``stream_fields`` (a GPU's id, a
+    checkpoint's event) share a Kafka partition and arrive in the order sent."""
+    return "/".join([str(record.rank), record.kind,
+                     *(str(getattr(record, field)) for field in record.stream_fields)])
 
 
 def _fields(record: Record, names: tuple[str, ...], prefix: str, subset: str = "train") -> list[Scalar]:

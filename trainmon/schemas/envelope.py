@@ -28,8 +28,21 @@ class Record(BaseModel):
     # service's kind lists all derive from here.
     registry: ClassVar[dict[str, type["Record"]]] = {}
 
+    # String fields whose values repeat a lot (a host, a GPU's name, a rule): ClickHouse
+    # stores them dictionary-encoded (LowCardinality). A kind lists its own fields; the
+    # envelope's and those of the kinds it derives from are added to them.
+    low_cardinality: ClassVar[frozenset[str]] = frozenset({"run_id", "host"})
+    # The fields that tell apart this kind's records of one rank and one step (a GPU's
+    # id, a checkpoint's event). The forwarders keep one ordered stream per rank, kind and
+    # these fields, and drop a record whose step is not past its stream's latest as a
+    # resend: a kind that logs several records per rank and step must name what tells
+    # them apart here, or all but the first of them are dropped.
+    stream_fields: ClassVar[tuple[str, ...]] = ()
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
+        cls.low_cardinality = frozenset().union(
+            *(vars(base).get("low_cardinality", ()) for base in cls.__mro__))
         kind = cls.__dict__.get("kind")
         if isinstance(kind, str):
             Record.registry[kind] = cls

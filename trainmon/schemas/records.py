@@ -7,7 +7,7 @@ ms) with Megatron's optional step fields (loss scale, params norm, num zeros, ..
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal, Optional
+from typing import Annotated, Any, ClassVar, Literal, Optional
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -119,6 +119,8 @@ class MoeRecord(Record):
 
 class GpuRecord(Record):
     kind = "gpu"
+    low_cardinality = frozenset({"throttle"})
+    stream_fields = ("id",)  # one record per GPU of the rank
 
     step: Count
     id: Count
@@ -140,6 +142,7 @@ class GpuRecord(Record):
 
 class AllocatorSegment(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    low_cardinality: ClassVar[frozenset[str]] = frozenset({"name"})
 
     name: str
     device: Count  # bytes
@@ -176,6 +179,7 @@ class DatasetRecord(Record):
 
 class GpuModelRecord(Record):
     kind = "gpu_model"
+    low_cardinality = frozenset({"name", "cuda_driver", "cuda_runtime"})
 
     id: Count = 0
     name: str
@@ -199,6 +203,7 @@ class GpuModelRecord(Record):
 
 class RunRecord(Record):
     kind = "run"
+    low_cardinality = frozenset({"name", "project"})
 
     event: Literal["start", "end"]
     status: Optional[Literal["running", "success", "failed", "aborted"]] = None
@@ -220,6 +225,7 @@ class RunRecord(Record):
 
 class AlertRecord(Record):
     kind = "alert"
+    low_cardinality = frozenset({"rule"})
 
     rule: str
     severity: Literal["info", "warning", "critical"]
@@ -241,6 +247,7 @@ class GpuHealthRecord(Record):
     in ClickHouse), never 0: 0 means "counted, and none"."""
 
     kind = "gpu_health"
+    stream_fields = ("id",)  # one record per GPU of the rank, as the gpu record
 
     step: Count
     id: Count  # NVML index, as the gpu record's
@@ -285,6 +292,7 @@ class CheckpointRecord(Record):
     finished. Formats that print one line per save give a "saved" record for it."""
 
     kind = "checkpoint"
+    stream_fields = ("event",)  # a save's "started" and "saved" share a step
 
     step: Count
     event: Literal["started", "saved"] = "saved"
@@ -317,6 +325,7 @@ class LogEventRecord(Record):
     and again at counts 2, 4, 8, ... and at the end of the log, each with the count so far."""
 
     kind = "log_event"
+    low_cardinality = frozenset({"source"})
 
     level: Literal["warning", "error"]
     source: str  # "nccl", "cuda", "python", "torch", "xid"

@@ -19,6 +19,6 @@ before connecting to another path in the same process.
 
 from .client import DEFAULT_DATABASE, Target, connect
 from .columns import insert_records
-from .ddl import create_all
+from .schema_setup import create_all
 
 __all__ = ["DEFAULT_DATABASE", "Target", "connect", "create_all", "insert_records"]

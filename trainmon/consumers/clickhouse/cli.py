@@ -10,9 +10,10 @@ import uuid
 from ... import topics
 from ...schemas import RECORD_TYPES
 from .client import EngineBusy, Target, connect
-from .ddl import create_all, create_table_sql
+from .ddl import create_table_sql
 from ..runtime import read_to_end_as_of_now
 from .loader import Loader
+from .schema_setup import create_all
 from .service import (add_batch_arguments, add_target_arguments, configure_logging,
                       insert_clients, sql_endpoint_for, target_from)
 from .sql_endpoint import SqlQueryError, find_endpoint, query_endpoint, run_sql

@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 from ...schemas import RECORD_TYPES, Record
 from .client import DEFAULT_DATABASE
 from .ddl import BOOKKEEPING, Column, _identity, _or_empty_dict, _or_empty_list, data_columns
-from .rollups import INSERT_SETTINGS
+from .settings import INSERT_SETTINGS
 
 KAFKA_COLUMNS = ("_topic", "_partition", "_offset")
 # Every insert here. optimize_on_insert=0: ClickHouse would otherwise sort-and-merge each

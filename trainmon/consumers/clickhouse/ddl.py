@@ -9,7 +9,7 @@ Type mapping:
 schema                     ClickHouse
 =========================  ===========================================================
 int / float / bool         Int64 / Float64 (NaN and +-Inf kept) / Bool
-str                        String; LowCardinality(String) for names in LOW_CARDINALITY
+str                        String; LowCardinality(String) for the model's low_cardinality
 Literal["a", "b"]          LowCardinality(String)
 datetime                   DateTime64(6, 'UTC')
 Optional[scalar]           Nullable(...)  (None is NULL)
@@ -22,6 +22,9 @@ list[SubModel]             Nested(...) : one Array column per sub-field
 Each table also has the bookkeeping columns ``_topic``, ``_partition``, ``_offset``
 (where the row came from in Kafka: the consumer resumes from them) and
 ``_inserted_at`` (when the row was written; latency is ``_inserted_at - time``).
+
+Pure: SQL text and column plans from the models, no client. :mod:`.schema_setup` runs
+the statements against a database.
 """
 
 from __future__ import annotations
@@ -36,40 +39,14 @@ from typing import Annotated, Any, Callable, Literal, Union
 from pydantic import BaseModel
 
 from ...schemas import RECORD_TYPES, Record
+from .settings import settings_sql
 
-# String fields whose values repeat a lot (dictionary-encoded).
-LOW_CARDINALITY = {"run_id", "host", "throttle", "name", "project", "rule",
-                   "cuda_driver", "cuda_runtime", "source"}
 BOOKKEEPING = {
     "_topic": "LowCardinality(String)",
     "_partition": "Int32",
     "_offset": "Int64",
     "_inserted_at": "DateTime64(6, 'UTC') DEFAULT now64(6)",
 }
-# Identical insert blocks (same dedup token) within this many recent blocks are dropped.
-DEDUP_WINDOW = 10_000
-# A part (the rows of one insert, until merges join parts) smaller than this, uncompressed,
-# is written "compact": all its columns in one file instead of two or three files per
-# column. ClickHouse's default limit, 10 MB, is below one 50,000-row batch of step records
-# (~15 MB): each insert made ~150 files for the step table and its rollups, and creating
-# them (ext4 looking for free inodes) took as much of the loader's insert thread as
-# ClickHouse's own work. Draining 300,000 step records, alternating runs: insert thread
-# 1.7-2.0 s against 1.05-1.1; benchmarks/pipeline_throughput.py's service alone 109-116k
-# against 155-167k records/s (measured).
-# Merged parts above it are written wide, as ever.
-COMPACT_PART_BYTES = 256 << 20
-TABLE_SETTINGS = {"non_replicated_deduplication_window": DEDUP_WINDOW,
-                  "min_bytes_for_wide_part": COMPACT_PART_BYTES}
-
-
-def settings_sql() -> str:
-    """The SETTINGS of every MergeTree table here (record tables and rollups)."""
-    return ", ".join(f"{name} = {value}" for name, value in TABLE_SETTINGS.items())
-
-
-def apply_table_settings(client, table: str) -> None:
-    """Give a table made by an older version the settings of a new one."""
-    client.command(f"ALTER TABLE {table} MODIFY SETTING {settings_sql()}")
 
 
 @dataclass(frozen=True)
@@ -125,7 +102,13 @@ _SCALARS = {int: "Int64", float: "Float64", bool: "Bool", str: "String",
             datetime: "DateTime64(6, 'UTC')"}
 
 
-def _scalar_type(annotation, field: str, where: str) -> str | None:
+def _repeating(model: type[BaseModel]) -> frozenset[str]:
+    """The model's string fields whose values repeat a lot (dictionary-encoded columns):
+    what the model declares in ``low_cardinality`` (a sub-model may declare it too)."""
+    return getattr(model, "low_cardinality", frozenset())
+
+
+def _scalar_type(annotation, field: str, where: str, repeating: frozenset[str]) -> str | None:
     annotation = _bare(annotation)
     if typing.get_origin(annotation) is Literal:
         values = typing.get_args(annotation)
@@ -135,7 +118,7 @@ def _scalar_type(annotation, field: str, where: str) -> str | None:
             return "Int64"
         raise TypeError(f"{where}.{field}: Literal mixing types has no ClickHouse column")
     ch = _SCALARS.get(annotation)
-    if ch == "String" and field in LOW_CARDINALITY:
+    if ch == "String" and field in repeating:
         return "LowCardinality(String)"
     return ch
 
@@ -144,7 +127,7 @@ def field_columns(model: type[BaseModel], field: str) -> FieldColumns:
     """How one schema field is stored; TypeError naming the field when it cannot be."""
     where = model.__name__
     annotation, optional = unwrap_optional(model.model_fields[field].annotation)
-    scalar = _scalar_type(annotation, field, where)
+    scalar = _scalar_type(annotation, field, where, _repeating(model))
     if scalar is not None:
         if optional:
             scalar = (f"LowCardinality(Nullable(String))" if scalar == "LowCardinality(String)"
@@ -163,7 +146,7 @@ def field_columns(model: type[BaseModel], field: str) -> FieldColumns:
         item = args[0]
         if isinstance(item, type) and issubclass(item, BaseModel):
             return _nested(item, field, where)
-        item_type = _scalar_type(item, field, where)
+        item_type = _scalar_type(item, field, where, _repeating(model))
         if item_type is not None:
             ch = f"Array({item_type})"
             return FieldColumns(field, f"`{field}` {ch}", (Column(field, ch, field, _or_empty_list),))
@@ -175,7 +158,7 @@ def _nested(sub: type[BaseModel], field: str, where: str) -> FieldColumns:
     parts, columns = [], []
     for name in sub.model_fields:
         item, optional = unwrap_optional(sub.model_fields[name].annotation)
-        ch = _scalar_type(item, name, f"{where}.{field}")
+        ch = _scalar_type(item, name, f"{where}.{field}", _repeating(sub))
         if ch is None or optional:
             raise TypeError(f"{where}.{field}.{name}: Nested sub-fields must be plain scalars")
         parts.append(f"`{name}` {ch}")
@@ -215,78 +198,10 @@ def create_table_sql(kind: str, database: str) -> str:
             f"SETTINGS {settings_sql()}")
 
 
-def create_probe_table(client, kind: str, database: str) -> str:
-    """A Null-engine twin of a kind's table (stores nothing): inserting a record there
-    tells whether ClickHouse can take it without writing it. Returns its name."""
-    name = f"{database}._probe_{kind}"
-    client.command(f"DROP TABLE IF EXISTS {name}")  # fresh, in case the table was migrated
-    client.command(f"CREATE TABLE {name} AS {database}.{kind} ENGINE = Null")
-    return name
-
-
-def existing_columns(client, database: str, table: str) -> list[str]:
-    return list(column_types(client, database, table))
-
-
-def column_types(client, database: str, table: str) -> dict[str, str]:
-    """Column name -> ClickHouse type, in table order."""
-    result = client.query("SELECT name, type FROM system.columns WHERE database = {db:String} "
-                          "AND table = {t:String} ORDER BY position",
-                          parameters={"db": database, "t": table})
-    return {row[0]: row[1] for row in result.result_rows}
-
-
-def _nullable_of(ch: str) -> str | None:
+def nullable_of(ch: str) -> str | None:
     """The Nullable spelling of a plain scalar column type (None if there is none)."""
     if ch == "LowCardinality(String)":
         return "LowCardinality(Nullable(String))"
     if ch.startswith(("Nullable(", "LowCardinality(", "Array(", "Map(", "Nested(")):
         return None
     return f"Nullable({ch})"
-
-
-def migrate_table(client, kind: str, database: str) -> list[str]:
-    """Add columns for schema fields the table lacks, and make a column Nullable whose
-    field became optional (e.g. ``step.norm``); returns the fields added or widened.
-
-    Otherwise a field whose type changed, or that was removed, keeps its old column
-    (ClickHouse cannot rewrite a column's type in place cheaply). Widening to Nullable is
-    the one retyping done: old rows keep their values, and without it a record lacking
-    the field could not be inserted at all.
-    """
-    have = column_types(client, database, kind)
-    changed = []
-    for f in table_fields(RECORD_TYPES[kind]):
-        if not any(c.name in have for c in f.columns):
-            client.command(f"ALTER TABLE {database}.{kind} ADD COLUMN IF NOT EXISTS {f.definition}")
-            changed.append(f.field)
-            continue
-        old = have.get(f.field) if len(f.columns) == 1 else None
-        if old is not None and old != f.columns[0].type and _nullable_of(old) == f.columns[0].type:
-            from .rollups import drop_views
-
-            drop_views(client, database)  # a column a view reads cannot be retyped; recreated next
-            client.command(f"ALTER TABLE {database}.{kind} MODIFY COLUMN {f.definition}")
-            changed.append(f.field)
-    return changed
-
-
-def create_all(client, database: str = "trainmon") -> None:
-    """Create (or migrate) the database, one table per record kind, the rollups
-    (pre-aggregated tables the dashboards read, see :mod:`.rollups`) and the views.
-
-    Safe to call at every start: existing tables only gain missing columns (and Nullable
-    where a field became optional) and this version's TABLE_SETTINGS, and the views are
-    replaced (``CREATE OR REPLACE``), so a view that gained a column has it after the next
-    start.
-    """
-    from .rollups import create_rollups
-    from .views import create_views
-
-    client.command(f"CREATE DATABASE IF NOT EXISTS {database}")
-    for kind in RECORD_TYPES:
-        client.command(create_table_sql(kind, database))
-        apply_table_settings(client, f"{database}.{kind}")
-        migrate_table(client, kind, database)
-    create_rollups(client, database)
-    create_views(client, database)

@@ -49,7 +49,7 @@ from .. import runtime
 from ..stream import Message, RecordStream
 from .batches import PartitionBuffers
 from .columns import insert_batch, insert_json, json_body, json_ready
-from .ddl import create_probe_table
+from .schema_setup import create_probe_table
 from .offsets import stored_positions
 from .refusals import blames_rows, month_runs, months_in, partition_limit, refusal
 from .writer import BackgroundWriter

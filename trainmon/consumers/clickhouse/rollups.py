@@ -19,7 +19,7 @@ draw, aggregated when the rows are inserted:
 
 Exactly once. A Kafka message reaches these tables once, like the step table: the loader
 inserts each partition's batch with a dedup token and
-``deduplicate_blocks_in_dependent_materialized_views = 1`` (INSERT_SETTINGS), and every
+``deduplicate_blocks_in_dependent_materialized_views = 1`` (settings.INSERT_SETTINGS), and every
 table here keeps a dedup window, so a retried batch is dropped by the views too, not
 only by the step table (tested; with the setting at 0, the default of older servers, a
 view counted the retry again; chDB 26.9 defaults to 1).
@@ -33,14 +33,13 @@ query away in the plain views (``step_across_ranks``, ``run_summary`` read ``FIN
 An AggregatingMergeTree merges rows of one key in the background; until then a key can
 have several rows, so readers aggregate again (``min(min_duration_ms)``,
 ``sum(duration_ms_sum) / sum(duration_ms_count)``, ``quantileBFloat16IfMerge``, ...).
+
+The statements only; :mod:`.schema_setup` runs them.
 """
 
 from __future__ import annotations
 
-from .ddl import apply_table_settings, settings_sql
-
-# Every insert into the record tables: a deduplicated block is dropped by the views too.
-INSERT_SETTINGS = {"deduplicate_blocks_in_dependent_materialized_views": 1}
+from .settings import settings_sql
 
 # Columns of step_stats: name -> (type, expression over the step rows of one insert).
 # NaN step times are NULL here (as in step_across_ranks), so one broken timer does not
@@ -130,29 +129,3 @@ def rollups(db: str) -> dict[str, tuple[str, str, str]]:
                              "rank": ("Int64", "rank")},
                             RANK_10S_COLUMNS, _STEP_ROWS_10S),
     }
-
-
-def create_rollups(client, database: str) -> list[str]:
-    """Create the rollup tables and their views; a table created now is filled from the
-    rows already in the step table (once: the view feeds it from then on). Returns the
-    names of the tables created. Run before the loader starts inserting (as the services
-    do), or rows inserted between the view's creation and the backfill count twice."""
-    created = []
-    for name, (table, view, backfill) in rollups(database).items():
-        existed = bool(client.query("SELECT count() FROM system.tables WHERE database = {db:String} "
-                                    "AND name = {t:String}",
-                                    parameters={"db": database, "t": name}).result_rows[0][0])
-        client.command(table)
-        apply_table_settings(client, f"{database}.{name}")
-        client.command(view)
-        if not existed:
-            client.command(backfill)
-            created.append(name)
-    return created
-
-
-def drop_views(client, database: str) -> None:
-    """Detach the rollups from the step table (to retype a column they read);
-    :func:`create_rollups` attaches them again."""
-    for name in rollups(database):
-        client.command(f"DROP VIEW IF EXISTS {database}.{name}_mv")

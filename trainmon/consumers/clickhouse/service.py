@@ -23,7 +23,7 @@ from clickhouse_connect.driver.exceptions import OperationalError
 from ...kafka_client import bootstrap_servers
 from ..runtime import stop_on_signals
 from .client import EngineBusy, Target, connect, connect_when_free
-from .ddl import create_all
+from .schema_setup import create_all
 from .loader import Loader
 from .sql_endpoint import SqlEndpoint
 

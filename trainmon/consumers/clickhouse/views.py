@@ -4,6 +4,7 @@ docs/clickhouse.md; the Grafana dashboards query these names.
 
 All views read with FINAL, so a record the producer sent twice (same event_id, e.g. a
 spill-file replay) is counted once even before ClickHouse merges the duplicate away.
+The statements only; :mod:`.schema_setup` runs them.
 """
 
 from __future__ import annotations
@@ -174,8 +175,3 @@ VIEWS = {
     "run_overview": RUN_SUMMARY.replace("{name}", "run_overview").replace("{steps}", ROLLUP_STEPS)
                                .replace("{step_times}", "SELECT run_id, last_time FROM {db}.step_stats"),
 }
-
-
-def create_views(client, database: str) -> None:
-    for sql in VIEWS.values():
-        client.command(sql.format(db=database))

@@ -1,0 +1,113 @@
+"""Creates and migrates the database: the one module that runs DDL against a client.
+
+The statements come from the pure modules below it: :mod:`.ddl` (record tables),
+:mod:`.rollups` (pre-aggregated tables and their materialized views), :mod:`.views`
+(plain views); :mod:`.settings` gives every table its settings.
+"""
+
+from __future__ import annotations
+
+from ...schemas import RECORD_TYPES
+from .ddl import create_table_sql, nullable_of, table_fields
+from .rollups import rollups
+from .settings import settings_sql
+from .views import VIEWS
+
+
+def create_all(client, database: str = "trainmon") -> None:
+    """Create (or migrate) the database, one table per record kind, the rollups
+    (pre-aggregated tables the dashboards read, see :mod:`.rollups`) and the views.
+
+    Safe to call at every start: existing tables only gain missing columns (and Nullable
+    where a field became optional) and this version's TABLE_SETTINGS, and the views are
+    replaced (``CREATE OR REPLACE``), so a view that gained a column has it after the next
+    start.
+    """
+    client.command(f"CREATE DATABASE IF NOT EXISTS {database}")
+    for kind in RECORD_TYPES:
+        client.command(create_table_sql(kind, database))
+        apply_table_settings(client, f"{database}.{kind}")
+        migrate_table(client, kind, database)
+    create_rollups(client, database)
+    create_views(client, database)
+
+
+def apply_table_settings(client, table: str) -> None:
+    """Give a table made by an older version the settings of a new one."""
+    client.command(f"ALTER TABLE {table} MODIFY SETTING {settings_sql()}")
+
+
+def migrate_table(client, kind: str, database: str) -> list[str]:
+    """Add columns for schema fields the table lacks, and make a column Nullable whose
+    field became optional (e.g. ``step.norm``); returns the fields added or widened.
+
+    Otherwise a field whose type changed, or that was removed, keeps its old column
+    (ClickHouse cannot rewrite a column's type in place cheaply). Widening to Nullable is
+    the one retyping done: old rows keep their values, and without it a record lacking
+    the field could not be inserted at all.
+    """
+    have = column_types(client, database, kind)
+    changed = []
+    for f in table_fields(RECORD_TYPES[kind]):
+        if not any(c.name in have for c in f.columns):
+            client.command(f"ALTER TABLE {database}.{kind} ADD COLUMN IF NOT EXISTS {f.definition}")
+            changed.append(f.field)
+            continue
+        old = have.get(f.field) if len(f.columns) == 1 else None
+        if old is not None and old != f.columns[0].type and nullable_of(old) == f.columns[0].type:
+            drop_views(client, database)  # a column a view reads cannot be retyped; recreated next
+            client.command(f"ALTER TABLE {database}.{kind} MODIFY COLUMN {f.definition}")
+            changed.append(f.field)
+    return changed
+
+
+def create_rollups(client, database: str) -> list[str]:
+    """Create the rollup tables and their views; a table created now is filled from the
+    rows already in the step table (once: the view feeds it from then on). Returns the
+    names of the tables created. Run before the loader starts inserting (as the services
+    do), or rows inserted between the view's creation and the backfill count twice."""
+    created = []
+    for name, (table, view, backfill) in rollups(database).items():
+        existed = bool(client.query("SELECT count() FROM system.tables WHERE database = {db:String} "
+                                    "AND name = {t:String}",
+                                    parameters={"db": database, "t": name}).result_rows[0][0])
+        client.command(table)
+        apply_table_settings(client, f"{database}.{name}")
+        client.command(view)
+        if not existed:
+            client.command(backfill)
+            created.append(name)
+    return created
+
+
+def drop_views(client, database: str) -> None:
+    """Detach the rollups from the step table (to retype a column they read);
+    :func:`create_rollups` attaches them again."""
+    for name in rollups(database):
+        client.command(f"DROP VIEW IF EXISTS {database}.{name}_mv")
+
+
+def create_views(client, database: str) -> None:
+    for sql in VIEWS.values():
+        client.command(sql.format(db=database))
+
+
+def create_probe_table(client, kind: str, database: str) -> str:
+    """A Null-engine twin of a kind's table (stores nothing): inserting a record there
+    tells whether ClickHouse can take it without writing it. Returns its name."""
+    name = f"{database}._probe_{kind}"
+    client.command(f"DROP TABLE IF EXISTS {name}")  # fresh, in case the table was migrated
+    client.command(f"CREATE TABLE {name} AS {database}.{kind} ENGINE = Null")
+    return name
+
+
+def existing_columns(client, database: str, table: str) -> list[str]:
+    return list(column_types(client, database, table))
+
+
+def column_types(client, database: str, table: str) -> dict[str, str]:
+    """Column name -> ClickHouse type, in table order."""
+    result = client.query("SELECT name, type FROM system.columns WHERE database = {db:String} "
+                          "AND table = {t:String} ORDER BY position",
+                          parameters={"db": database, "t": table})
+    return {row[0]: row[1] for row in result.result_rows}
