@@ -4,80 +4,27 @@ from __future__ import annotations
 
 import base64
 import json
-import math
 import re
 import time
-from datetime import datetime, timedelta, timezone
-
 
 from trainmon import topics
 from trainmon.consumers.clickhouse.readback import record_from_row
 from trainmon.kafka_client import Consumer
-from trainmon.schemas import (RECORD_TYPES, AlertRecord, AllocatorRecord, CheckpointRecord, DatasetRecord,
-                              DiskRecord, EvalRecord, GpuHealthRecord, GpuModelRecord, GpuRecord,
-                              LogEventRecord, MoeRecord, RunRecord, StepRecord, encode, pack)
+from trainmon.schemas import RECORD_TYPES, StepRecord, encode, pack
 
 from .clickhouse_service import ClickHouseService, run_trainmon
 from .clickhouse_service import kill_leftover_services  # noqa: F401 (autouse fixture)
 from .conftest import committed_offsets, end_offsets, read_topic, send_raw
-
-T0 = datetime(2026, 3, 1, 12, 0, 0, 123456, tzinfo=timezone.utc)
-NAN, INF = math.nan, math.inf
-
-
-def envelope(i: int, rank: int = 1) -> dict:
-    return dict(run_id="rt-run", rank=rank, world_size=4, host="node-7",
-                time=T0 + timedelta(seconds=i), event_id=f"ev-{i}")
+from .samples import envelope, one_of_each
 
 
 def every_kind() -> list:
-    """One record per kind with every optional field set, NaN / Inf where floats go."""
-    return [
-        StepRecord(**envelope(1), step=7, epoch=0.5, step_tokens=4096, duration_ms=812.5,
-                   loss=NAN, norm=INF, lr=-INF, tokens_per_second=5041.2, total_steps=100,
-                   loss_scale=65536.0, params_norm=NAN, num_zeros=3, num_params=7_000_000_000,
-                   consumed_samples=896, skipped=1, global_batch_size=128, tflops_per_gpu=INF,
-                   sol_percent=41.5, losses={"lm": 2.5, "aux": NAN}, timers={"fwd": 100.25, "bwd": INF}),
-        StepRecord(**envelope(2), step=8, epoch=0.5, step_tokens=4096, duration_ms=0.0,
-                   loss=2.25, norm=0.5, lr=1e-4),  # optional scalars absent: NULL
-        EvalRecord(**envelope(3), step=8, epoch=0.5, eval_tokens=1024, duration_ms=55.0, loss=INF,
-                   tokens_per_second=18618.1, perplexity=INF),
-        MoeRecord(**envelope(4), step=8, aux_loss=NAN, z_loss=0.001, expert_utilization=0.875,
-                  load_imbalance=1.5, layer_aux_loss=[0.1, NAN], layer_z_loss=[INF, -INF],
-                  layer_utilization=[1.0, 0.75], layer_imbalance=[1.0, 2.0]),
-        GpuRecord(**envelope(5), step=8, id=3, clock=1980, max_clock=1980, power=699_000,
-                  power_limit=700_000, temperature=-3, temp_slowdown=87, gpu_util=99, mem_util=40,
-                  dram_free=2**40, pcie_rx=10**9, pcie_tx=2 * 10**9, fan=0, throttle="sw_power_cap",
-                  energy=2**50),
-        AllocatorRecord(**envelope(6), step=8, stats=[
-            dict(name="weights", device=1 << 33, managed=0, pinned=4096, pageable=1),
-            dict(name="activations", device=5, managed=6, pinned=7, pageable=8)],
-            allocated=1, peak_allocated=2, active=3, inactive=4, reserved=5, alloc_retries=0),
-        DatasetRecord(**envelope(7), split="eval", files=12, tokens=10**12, file_index=3,
-                      chunk_index=9, seed=-42),
-        GpuModelRecord(**envelope(8), id=3, name="NVIDIA H100 80GB HBM3", sm_count=132, major=9,
-                       minor=0, memory=85_000_000_000, free=84_000_000_000, l2_size=52_428_800,
-                       uuid="GPU-1234", ecc=True, cuda_driver="12040", cuda_runtime="12.4"),
-        RunRecord(**envelope(9), event="start", status="running", name="llama-7b", project="p",
-                  config={"lr": 3e-4, "layers": [1, 2], "nested": {"x": None, "nan": NAN}},
-                  hostnames=["node-7", "node-8"], versions={"torch": "2.5.0"}),
-        AlertRecord(**envelope(10), rule="loss_nan", severity="critical", state="firing",
-                    incident_id="inc-1", ranks=[0, 3], step=8, value=NAN, threshold=-INF,
-                    message="loss is NaN on ranks 0, 3"),
-        GpuHealthRecord(**envelope(11), step=8, id=3, ecc_volatile_corrected=1, ecc_volatile_uncorrected=0,
-                        ecc_aggregate_corrected=2**40, ecc_aggregate_uncorrected=2,
-                        remapped_rows_correctable=4, remapped_rows_uncorrectable=1,
-                        remapped_rows_pending=True, remapped_rows_failed=False,
-                        retired_pages_single_bit=0, retired_pages_double_bit=5, retired_pages_pending=False,
-                        xids=[79, 48, 79], pcie_replays=123, nvlink_crc_flit_errors=6,
-                        nvlink_crc_data_errors=7, nvlink_replay_errors=8, nvlink_recovery_errors=0),
-        CheckpointRecord(**envelope(12), step=8, event="started", path="/ckpt/iter_0000008",
-                         bytes=14 * 2**30, duration_ms=INF, free_bytes=2**41, total_bytes=2**43),
-        DiskRecord(**envelope(13), step=8, path="/ckpt", free_bytes=2**41, total_bytes=2**43,
-                   used_bytes=2**42),
-        LogEventRecord(**envelope(14), level="error", source="nccl", signature="NCCL WARN x <N>",
-                       text="NCCL WARN x <59840>", count=2**33, first_step=0, last_step=8),
-    ]
+    """One record per kind from the samples registry (every field set, NaN / Inf where
+    floats go), and a step record whose optional scalars are absent (NULL)."""
+    records = one_of_each()
+    sparse = StepRecord(**envelope(len(records) + 1), step=8, epoch=0.5, step_tokens=4096, duration_ms=0.0,
+                        loss=2.25, norm=0.5, lr=1e-4)
+    return records + [sparse]
 
 
 def test_every_kind_lands_with_every_field_intact(bootstrap, topic_prefix, make_producer, tmp_path):
