@@ -20,8 +20,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import broker_bootstrap  # noqa: E402
 
-from trainmon.consumers.forwarding import FORWARDED_KINDS, Forwarder, ProgressStore  # noqa: E402
-from trainmon.consumers.stream import RecordStream  # noqa: E402
+from trainmon.consumers.forwarding import ForwardingSink, ProgressStore  # noqa: E402
+from trainmon.consumers.serving import attach  # noqa: E402
 from trainmon.producer import Producer, ProducerConfig  # noqa: E402
 
 
@@ -56,18 +56,18 @@ def make_sink(name: str, root: Path):
     return sink, root / ".trainmon-forwarder"
 
 
-def forward(name: str, root: Path, bootstrap: str, prefix: str, records: int) -> tuple[float, Forwarder]:
-    sink, state = make_sink(name, root)
-    stream = RecordStream(f"bench-{name}-{uuid.uuid4().hex[:6]}", FORWARDED_KINDS, topic_prefix=prefix,
-                          env={"TRAINMON_KAFKA_BOOTSTRAP": bootstrap})
-    forwarder = Forwarder(sink, stream, ProgressStore(state), linger_ms=200)
+def forward(name: str, root: Path, bootstrap: str, prefix: str, records: int) -> tuple[float, ForwardingSink]:
+    tracker, state = make_sink(name, root)
+    forwarder = ForwardingSink(tracker, ProgressStore(state), linger_ms=200)
+    runtime = attach(forwarder, group=f"bench-{name}-{uuid.uuid4().hex[:6]}", topic_prefix=prefix,
+                     env={"TRAINMON_KAFKA_BOOTSTRAP": bootstrap})
     started = None
     while forwarder.stats.records < records:
-        if forwarder.runtime.step() and started is None:
+        if runtime.step() and started is None:
             started = time.perf_counter()
-    sink.close()
+    tracker.close()
     elapsed = time.perf_counter() - started
-    stream.close()
+    runtime.stream.close()
     return elapsed, forwarder
 
 

@@ -6,8 +6,11 @@ forwarder until it has consumed a given number of records."""
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
-from trainmon.consumers.forwarding import FORWARDED_KINDS, Forwarder, ProgressStore
+from trainmon.consumers.forwarding import ForwarderStats, ForwardingSink, ProgressStore
+from trainmon.consumers.runtime import SinkRuntime
+from trainmon.consumers.serving import attach
 from trainmon.consumers.stream import RecordStream
 
 MIB = 1024 ** 2
@@ -101,13 +104,28 @@ def flat(series_by_rank) -> dict[str, list[tuple[int, float]]]:
             for rank, series in series_by_rank.items() for name, points in series.items()}
 
 
-def make_forwarder(sink, bootstrap, topic_prefix, group, state_dir, **settings) -> Forwarder:
-    stream = RecordStream(group, FORWARDED_KINDS, topic_prefix=topic_prefix,
-                          env={"TRAINMON_KAFKA_BOOTSTRAP": bootstrap})
-    return Forwarder(sink, stream, ProgressStore(state_dir), linger_ms=200, **settings)
+@dataclass
+class Forwarding:
+    """A forwarder attached to its runtime, for a test to step."""
+
+    runtime: SinkRuntime
+
+    @property
+    def stream(self) -> RecordStream:
+        return self.runtime.stream
+
+    @property
+    def stats(self) -> ForwarderStats:
+        return self.runtime.sink.stats
 
 
-def drain(forwarder: Forwarder, records: int, timeout: float = 60.0) -> None:
+def make_forwarder(tracker, bootstrap, topic_prefix, group, state_dir, **settings) -> Forwarding:
+    sink = ForwardingSink(tracker, ProgressStore(state_dir), linger_ms=200, **settings)
+    return Forwarding(attach(sink, group=group, topic_prefix=topic_prefix,
+                             env={"TRAINMON_KAFKA_BOOTSTRAP": bootstrap}))
+
+
+def drain(forwarder: Forwarding, records: int, timeout: float = 60.0) -> None:
     """Drive the forwarder until it consumed `records` more records, then check no more come."""
     target = forwarder.stats.records + records
     deadline = time.monotonic() + timeout

@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+from .consumers import registry
+
 # command -> (module:function, the extra that brings its dependencies, one line for --help)
 DELEGATED = {
     "ingest": ("trainmon.ingest.cli:main", None,
@@ -26,13 +28,8 @@ DELEGATED = {
     "demo": ("trainmon.demo:main", "demo", "the demo: broker, consumers, a 4-rank CPU training run, a report"),
     "roundtrip": ("trainmon.roundtrip:main", None, "send a few records through a throwaway broker and read them back"),
 }
-CONSUMERS = {
-    "clickhouse": ("trainmon.consumers.clickhouse.service:main", "clickhouse"),
-    "alerts": ("trainmon.consumers.alerts.service:main", "alerts"),
-    "wandb": ("trainmon.consumers.wandb_sink:main", "wandb"),
-    "aim": ("trainmon.consumers.aim_sink:main", "aim"),
-    "tensorboard": ("trainmon.consumers.tensorboard_sink:main", "tensorboard"),
-}
+# consumer -> (module:function, extra), from the one list of consumers (consumers/registry.py)
+CONSUMERS = {c.name: (c.main, c.extra) for c in registry.CONSUMERS}
 
 
 def _call(target: str, extra: str | None, argv: list[str], streaming: bool = False) -> int:
@@ -84,6 +81,30 @@ def cmd_broker(args) -> int:
     return 0
 
 
+def consume_main(argv: list[str]) -> int:
+    """``trainmon consume NAME [its options]``, ``trainmon consume --list``."""
+    if argv and not argv[0].startswith("-"):
+        name, rest = argv[0], argv[1:]
+        if name not in registry.BY_NAME:
+            print(f"trainmon consume: no consumer {name!r}; there are: {', '.join(CONSUMERS)} "
+                  "(trainmon consume --list says what each does)", file=sys.stderr)
+            return 2
+        consumer = registry.BY_NAME[name]
+        return _call(consumer.main, consumer.extra, rest, streaming=True)
+    parser = argparse.ArgumentParser(
+        prog="trainmon consume", usage="trainmon consume NAME [its options] | --list",
+        description="Run a consumer service: its own Kafka consumer group turning the record "
+                    "topics into a view. 'trainmon consume NAME --help' shows NAME's options.",
+        epilog="consumers:\n" + registry.listing(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--list", action="store_true", help="list the consumers and what each does")
+    args = parser.parse_args(argv)
+    if not args.list:
+        parser.print_help()
+        return 2
+    print(registry.listing())
+    return 0
+
+
 def cmd_schema(args) -> int:
     from .schemas import json_schemas
 
@@ -116,11 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--heap", default="512m")
     p.set_defaults(func=cmd_broker)
 
-    p = sub.add_parser("consume", help="run a consumer service",
-                       description="Consumers: " + ", ".join(CONSUMERS))
-    p.add_argument("name", choices=list(CONSUMERS))
+    p = sub.add_parser("consume", add_help=False,
+                       help=f"run a consumer service: {', '.join(CONSUMERS)} (--list says what each does)")
     p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=lambda a: _call(*CONSUMERS[a.name], a.rest, streaming=True))
+    p.set_defaults(func=lambda a: consume_main(a.rest))
 
     for action, text in STACK_ACTIONS.items():
         sub.add_parser(action, help=text)
@@ -144,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
         from .stack import main as stack_main
 
         return stack_main(argv)
+    if argv and argv[0] == "consume":
+        return consume_main(argv[1:])
     if argv and argv[0] in DELEGATED:
         # Straight through: argparse's REMAINDER drops leading options ("sql --path P ...").
         target, extra, _ = DELEGATED[argv[0]]

@@ -1,9 +1,10 @@
 """The one-machine stack: ``trainmon up`` / ``status`` / ``logs`` / ``down``.
 
 ``up`` starts the Kafka broker (KRaft, from the Maven jars) and a supervisor process that
-runs the ClickHouse consumer (chDB under the stack directory) and the alerts service, on
-request (``--with tensorboard,aim,wandb``) the forwarders and (``--ui tensorboard|aim``)
-a UI for live plots, and prints the one line a training job needs::
+runs the consumers always up (the ClickHouse consumer, chDB under the stack directory, and
+the alerts service), on request (``--with tensorboard,aim,wandb``) the others -- which
+they are, and their settings here, come from ``consumers/registry.py`` -- and (``--ui
+tensorboard|aim``) a UI for live plots, and prints the one line a training job needs::
 
     export TRAINMON_KAFKA_BOOTSTRAP=127.0.0.1:9092 TRAINMON_CLICKHOUSE_PATH=~/.cache/trainmon/stack/clickhouse
 
@@ -31,10 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .broker import Broker, cache_dir, pid_alive
+from .consumers import registry
 
 RESTART_MIN_S, RESTART_MAX_S, HEALTHY_AFTER_S = 1.0, 30.0, 60.0
-ALWAYS = ("clickhouse", "alerts")
-FORWARDERS = ("tensorboard", "aim", "wandb")
+# The consumers it runs, from the one list of them (consumers/registry.py).
+ALWAYS = tuple(c.name for c in registry.CONSUMERS if c.always_up)
+ON_REQUEST = tuple(c.name for c in registry.CONSUMERS if not c.always_up)
 UIS = ("tensorboard", "aim")
 
 
@@ -46,22 +49,15 @@ class Service:
     env: dict = field(default_factory=dict)
 
 
+def consumer_service(stack: Path, consumer: registry.Consumer) -> Service:
+    command = [sys.executable, "-m", "trainmon", "consume", consumer.name, *consumer.stack_arguments(stack)]
+    return Service(consumer.name, command, consumer.group, consumer.stack_env(stack))
+
+
 def services(stack: Path, extra: list[str], ui: str | None) -> list[Service]:
-    """What the supervisor runs: the two consumers, the forwarders asked for, a UI."""
-    trainmon = [sys.executable, "-m", "trainmon", "consume"]
+    """What the supervisor runs: the consumers always up, those asked for, a UI."""
     bin_dir = Path(sys.executable).parent
-    table = {
-        "clickhouse": Service("clickhouse", trainmon + ["clickhouse", "--path", str(stack / "clickhouse")],
-                              "trainmon-clickhouse"),
-        "alerts": Service("alerts", trainmon + ["alerts"], "trainmon-alerts",
-                          {"TRAINMON_ALERT_STATE_DIR": str(stack / "alerts")}),
-        "tensorboard": Service("tensorboard", trainmon + ["tensorboard", "--logdir", str(stack / "tensorboard")],
-                               "trainmon-tensorboard"),
-        "aim": Service("aim", trainmon + ["aim", "--repo", str(stack / "aim")], "trainmon-aim"),
-        "wandb": Service("wandb", trainmon + ["wandb"], "trainmon-wandb",
-                         {"WANDB_DIR": str(stack / "wandb"), "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}),
-    }
-    chosen = [table[name] for name in [*ALWAYS, *extra]]
+    chosen = [consumer_service(stack, registry.BY_NAME[name]) for name in [*ALWAYS, *extra]]
     if ui == "tensorboard":
         chosen.append(Service("tensorboard-ui", [str(bin_dir / "tensorboard"), "--logdir",
                                                  str(stack / "tensorboard"), "--port", "6006"]))
@@ -302,16 +298,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", type=Path, default=default_dir(), help="where everything lives")
     parser.add_argument("--port", type=int, default=int(os.environ.get("TRAINMON_BROKER_PORT", 0)) or 9092)
     parser.add_argument("--with", dest="extra", default="",
-                        help=f"up: forwarders to run too, comma-separated ({', '.join(FORWARDERS)})")
+                        help=f"up: consumers to run too, comma-separated ({', '.join(ON_REQUEST)})")
     parser.add_argument("--ui", choices=UIS, help="up: a UI for live plots (TensorBoard on 6006, Aim on 43800)")
     parser.add_argument("-n", "--lines", type=int, default=40, help="logs: how many lines")
     parser.add_argument("-f", "--follow", action="store_true", help="logs: keep printing")
     args = parser.parse_args(argv)
     stack = args.dir.expanduser().resolve()
     extra = [x.strip() for x in args.extra.split(",") if x.strip()]
-    unknown = set(extra) - set(FORWARDERS)
+    unknown = set(extra) - set(ON_REQUEST)
     if unknown:
-        parser.error(f"--with: unknown {', '.join(sorted(unknown))}; choose from {', '.join(FORWARDERS)}")
+        parser.error(f"--with: unknown {', '.join(sorted(unknown))}; choose from {', '.join(ON_REQUEST)}")
     if args.ui and args.ui not in extra:
         extra.append(args.ui)  # a UI shows what its forwarder writes
     if args.action == "up":

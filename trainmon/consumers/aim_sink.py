@@ -18,7 +18,7 @@ import os
 import time
 from pathlib import Path
 
-from .forwarding import RunWork, arg_parser, require, serve
+from .forwarding import RunWork, arg_parser, forward, require
 from .metric_names import scalars
 
 log = logging.getLogger("trainmon.forwarders.aim")
@@ -26,6 +26,9 @@ STATE_DIR = ".trainmon-forwarder"
 
 
 class AimSink:
+    """Runs mirrored into an Aim repository: a forwarding.ExperimentTracker, which ForwardingSink
+    drives on the consumer runtime."""
+
     name = "aim"
 
     def __init__(self, repo: str | Path, experiment: str | None = None):
@@ -118,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="Aim experiment (default: TRAINMON_AIM_EXPERIMENT, else the run's project)")
     args = parser.parse_args(argv)
 
-    def make_sink():
+    def make_tracker():
         sink = AimSink(args.repo, args.experiment)
         return sink, sink.path / STATE_DIR
 
-    return serve(args, make_sink)
+    return forward(args, make_tracker)

@@ -13,8 +13,10 @@ TensorBoard forwarders -- says only what it does with records:
     stop()              the runtime is done with it (also when it stops with a batch
                         not written: the sink knows what it still holds)
 
-and when its batch is due (``flush_in_s``). The runtime owns everything else, the same
-way for all of them:
+and when its batch is due (``flush_in_s``). It also declares what it reads -- its consumer
+group, record kinds, the kinds it takes undecoded, Kafka settings of its own -- and when a
+catch-up job may end (``quiet_for``): ``serving.serve(sink)`` builds the stream and the
+runtime from that. The runtime owns everything else, the same way for all of them:
 
 - polling, on one thread; rebalance callbacks run inside the poll, so ``open`` / ``close``
   never race ``put`` / ``flush``; records polled for a partition since taken away are dropped;
@@ -36,7 +38,8 @@ import signal
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from types import MappingProxyType
+from typing import Any, Callable, Iterable, Mapping
 
 import tenacity
 
@@ -86,6 +89,19 @@ class Sink:
     name = "sink"
     poll_s = 0.5  # the longest a poll waits: how often ``tick`` runs while nothing arrives
     context: "SinkContext"
+    # What it reads, declared for serving.serve: its consumer group unless told another,
+    # the record kinds (None: every kind), those of them handed out as the producer's bytes
+    # (see RecordStream), and Kafka consumer settings of its own.
+    group = ""
+    kinds: tuple[str, ...] | None = None
+    undecoded_kinds: tuple[str, ...] = ()
+    consumer_settings: Mapping[str, Any] = MappingProxyType({})
+
+    def quiet_for(self, runtime: "SinkRuntime", seconds: float) -> bool:
+        """Whether a catch-up job told to exit when idle for ``seconds`` may end now (it has
+        nothing left to flush): no record put for that long. A sink that judges silences
+        also waits until it has read everything."""
+        return runtime.idle_s() >= seconds
 
     def start(self, context: "SinkContext") -> None:
         self.context = context
@@ -134,6 +150,10 @@ class SinkContext:
     @property
     def stopping(self) -> bool:
         return self._runtime.stop.is_set()
+
+    def idle_s(self) -> float:
+        """Seconds since a record was last put (or the group last gave partitions)."""
+        return self._runtime.idle_s()
 
     def seek(self, tp: TopicPartition, offset: int) -> None:
         self.consumer.seek(tp, offset)
@@ -269,11 +289,6 @@ class SinkRuntime:
             return
         self._put_since_commit = offsets != positions  # the rest once the sink wrote it
         self._dead_letters_committed = dead_letters
-
-
-def idle_for(seconds: float) -> Callable[[SinkRuntime], bool]:
-    """An ``until`` for catch-up jobs: no record for ``seconds`` since joining the group."""
-    return lambda runtime: runtime.idle_s() >= seconds
 
 
 def read_to_end_as_of_now(stream: RecordStream, topic_names: Iterable[str]) -> Callable[[SinkRuntime], bool]:

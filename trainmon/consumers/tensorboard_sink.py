@@ -17,13 +17,16 @@ import time
 import uuid
 from pathlib import Path
 
-from .forwarding import RunWork, arg_parser, require, safe_name, serve
+from .forwarding import RunWork, arg_parser, forward, require, safe_name
 from .metric_names import scalars
 
 STATE_DIR = ".trainmon-forwarder"
 
 
 class TensorBoardSink:
+    """Runs mirrored into TensorBoard event files: a forwarding.ExperimentTracker, which ForwardingSink
+    drives on the consumer runtime."""
+
     name = "tensorboard"
 
     def __init__(self, logdir: str | Path, *, max_queue_size: int = 1000):
@@ -138,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                              "or ./tensorboard)")
     args = parser.parse_args(argv)
 
-    def make_sink():
+    def make_tracker():
         sink = TensorBoardSink(args.logdir)
         return sink, sink.logdir / STATE_DIR
 
-    return serve(args, make_sink)
+    return forward(args, make_tracker)

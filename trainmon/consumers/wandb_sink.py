@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from ..schemas import AllocatorRecord
-from .forwarding import RunWork, arg_parser, require, serve
+from .forwarding import RunWork, arg_parser, forward, require
 from .metric_names import allocator_breakdown, scalars
 
 log = logging.getLogger("trainmon.forwarders.wandb")
@@ -40,6 +40,9 @@ def wandb_run_id(run_id: str) -> str:
 
 
 class WandbSink:
+    """Runs mirrored into W&B: a forwarding.ExperimentTracker, which ForwardingSink
+    drives on the consumer runtime."""
+
     name = "wandb"
 
     def __init__(self, *, directory: str | Path = ".", mode: str | None = None, project: str | None = None,
@@ -166,10 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = arg_parser("wandb", __doc__.splitlines()[0])
     args = parser.parse_args(argv)
 
-    def make_sink():
+    def make_tracker():
         sink = WandbSink(directory=os.environ.get("WANDB_DIR") or ".", mode=os.environ.get("WANDB_MODE"),
                          project=os.environ.get("WANDB_PROJECT"), entity=os.environ.get("WANDB_ENTITY"),
                          run_name=os.environ.get("WANDB_NAME"))
         return sink, sink.directory / STATE_DIR
 
-    return serve(args, make_sink)
+    return forward(args, make_tracker)

@@ -24,7 +24,8 @@ from grafana_client.client import GrafanaClientError, GrafanaException, TokenAut
 
 from ...schemas import AlertRecord
 from .. import runtime
-from ..stream import Message, RecordStream
+from ..serving import serve
+from ..stream import Message
 from .config import AlertsConfig
 
 log = logging.getLogger("trainmon.alerts.grafana")
@@ -105,9 +106,11 @@ class GrafanaSink(runtime.Sink):
     alert only once Grafana has it. One Grafana rejects for good is dead-lettered."""
 
     name = "grafana forwarder"
+    kinds = ("alert",)
 
-    def __init__(self, annotations: GrafanaAnnotations):
+    def __init__(self, annotations: GrafanaAnnotations, *, group: str):
         self.annotations = annotations
+        self.group = group
         self.delivered = 0
         self.failures = 0
         self.dead_lettered = 0
@@ -142,19 +145,18 @@ class GrafanaSink(runtime.Sink):
 
 
 class GrafanaForwarder:
-    """Alert topic -> Grafana, on the consumer runtime: at least once, idempotent on
-    Grafana's side."""
+    """Alert topic -> Grafana: a GrafanaSink with the settings ``serve`` runs it with (from
+    the alerts config and the environment). At least once, idempotent on Grafana's side."""
 
     def __init__(self, annotations: GrafanaAnnotations, config: AlertsConfig, *,
                  topic_prefix: str | None = None, env: dict | None = None,
                  stop: threading.Event | None = None, retry: runtime.RetryPolicy | None = None):
-        self.sink = GrafanaSink(annotations)
+        self.sink = GrafanaSink(annotations, group=config.grafana_group_id)
         self.config = config
         self.topic_prefix = topic_prefix
         self.env = env
         self.stop = stop or threading.Event()
         self.retry = retry or runtime.RetryPolicy()
-        self.runtime: runtime.SinkRuntime | None = None
 
     delivered = property(lambda self: self.sink.delivered)
     failures = property(lambda self: self.sink.failures)
@@ -163,7 +165,8 @@ class GrafanaForwarder:
 
     def idle_s(self) -> float:
         """Seconds since an alert last came (or the forwarder joined its group)."""
-        return self.runtime.idle_s() if self.runtime is not None else 0.0
+        context = getattr(self.sink, "context", None)  # set once it joined
+        return context.idle_s() if context is not None else 0.0
 
     @classmethod
     def from_env(cls, config: AlertsConfig, *, env: dict | None = None, **kw) -> "GrafanaForwarder":
@@ -180,10 +183,8 @@ class GrafanaForwarder:
         return cls(annotations, config, env=env, **kw)
 
     def run(self, exit_when_idle_s: float | None = None) -> None:
-        stream = RecordStream(self.config.grafana_group_id, ["alert"], topic_prefix=self.topic_prefix,
-                              env=self.env)
-        self.runtime = runtime.SinkRuntime(self.sink, stream, stop=self.stop, retry=self.retry)
-        self.runtime.run(runtime.idle_for(exit_when_idle_s) if exit_when_idle_s is not None else None)
+        serve(self.sink, topic_prefix=self.topic_prefix, env=self.env, stop=self.stop, retry=self.retry,
+              exit_when_idle_s=exit_when_idle_s)
 
 
 def _is_auth(exc: Exception) -> bool:

@@ -32,7 +32,8 @@ from ... import topics
 from ...schemas import AlertRecord
 from ...kafka_client import TopicPartition
 from .. import runtime
-from ..stream import Message, RecordStream
+from ..serving import add_exit_when_idle_argument, serve
+from ..stream import Message
 from . import checkpoint
 from .alert_topic import AlertLog, AlertPublisher
 from .config import AlertsConfig, ConfigError, load_config
@@ -49,6 +50,7 @@ class AlertService(runtime.Sink):
 
     name = "alerts engine"
     poll_s = 0.2  # how often silences are judged while nothing arrives
+    kinds = tuple(INPUT_KINDS)
 
     def __init__(self, config: AlertsConfig, *, topic_prefix: str | None = None, env: dict | None = None):
         self.config = config
@@ -70,7 +72,25 @@ class AlertService(runtime.Sink):
         self._put_since_flush = False
         self._checkpoint_at = 0.0
 
+    @property
+    def group(self) -> str:
+        return self.config.group_id
+
+    @property
+    def consumer_settings(self) -> dict:
+        session_ms = int(self.config.session_timeout_s * 1000)
+        return {"session.timeout.ms": session_ms, "heartbeat.interval.ms": min(3000, session_ms // 3)}
+
     # -- start-up ----------------------------------------------------------------------
+
+    def start(self, context: runtime.SinkContext) -> None:
+        """Joined (its static instance id claimed) but not assigned before the first poll:
+        the checkpoint of this member is known now, and restored."""
+        super().start(context)
+        self.path = checkpoint.checkpoint_path(self.config.state_dir, self.config.group_id,
+                                               self.prefix, context.stream.instance_id)
+        self._checkpoint_at = time.monotonic() + self.config.checkpoint_interval_s
+        self._restore()
 
     def _restore(self) -> None:
         saved = checkpoint.load(self.path)
@@ -185,30 +205,20 @@ class AlertService(runtime.Sink):
     # -- running -------------------------------------------------------------------------
 
     def run(self, exit_when_idle_s: float | None = None) -> None:
+        """Judge until ``shutdown`` is set or, with ``exit_when_idle_s``, until caught up and
+        idle that long."""
         self._publisher = AlertPublisher(self.alert_topic, self.env)
         self._alert_log = AlertLog(self.alert_topic, self.env)
-        session_ms = int(self.config.session_timeout_s * 1000)
         try:
-            stream = RecordStream(self.config.group_id, INPUT_KINDS, topic_prefix=self.prefix, env=self.env,
-                                  **{"session.timeout.ms": session_ms,
-                                     "heartbeat.interval.ms": min(3000, session_ms // 3)})
-            sink_runtime = runtime.SinkRuntime(self, stream, stop=self.shutdown)
-            # Joined (its static instance id claimed) but not assigned before the first poll.
-            self.path = checkpoint.checkpoint_path(self.config.state_dir, self.config.group_id,
-                                                   self.prefix, stream.instance_id)
-            self._checkpoint_at = time.monotonic() + self.config.checkpoint_interval_s
-            try:
-                self._restore()
-            except BaseException:
-                sink_runtime.close()
-                raise
-            until = None
-            if exit_when_idle_s is not None:
-                until = lambda rt: self.caught_up and rt.idle_s() >= exit_when_idle_s  # noqa: E731
-            sink_runtime.run(until)
+            serve(self, topic_prefix=self.prefix, env=self.env, stop=self.shutdown,
+                  exit_when_idle_s=exit_when_idle_s)
         finally:
             self._publisher.close()
             self._alert_log.close()
+
+    def quiet_for(self, sink_runtime: runtime.SinkRuntime, seconds: float) -> bool:
+        # Not done while a partition is unread: silences there are not judged yet.
+        return self.caught_up and super().quiet_for(sink_runtime, seconds)
 
     def _caught_up(self) -> bool:
         """Every assigned partition read to its end: only then can a rank's silence be
@@ -240,8 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--only", choices=["engine", "grafana"],
                    help="run just the rules engine or just the Grafana forwarder (default: both; "
                         "the forwarder only when GRAFANA_URL is set)")
-    p.add_argument("--exit-when-idle", type=float, metavar="SECONDS",
-                   help="stop once caught up and idle this long (batch replay, tests)")
+    add_exit_when_idle_argument(p, help="stop once caught up and idle this long (batch replay, tests)")
     p.add_argument("--print-config", action="store_true",
                    help="print the effective configuration as YAML and exit")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -267,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
 
         forwarder = GrafanaForwarder.from_env(config, stop=stop)
         if args.only == "grafana":
-            forwarder.run(exit_when_idle_s=args.exit_when_idle)
+            forwarder.run(exit_when_idle_s=args.exit_when_idle_s)
             return 0
     thread = None
     if forwarder is not None:
@@ -277,16 +286,16 @@ def main(argv: list[str] | None = None) -> int:
         thread.start()
     service = AlertService(config)
     service.shutdown = stop
-    service.run(exit_when_idle_s=args.exit_when_idle)
+    service.run(exit_when_idle_s=args.exit_when_idle_s)
     log.info("trainmon alerts: stopped after %d records (%d replayed as warm-up), %d alerts, "
              "%d engine errors", service.stats["records"], service.stats["warmup"],
              service.stats["alerts"], service.stats["errors"])
     if thread is not None:
-        if args.exit_when_idle is not None:
+        if args.exit_when_idle_s is not None:
             # Forward the engine's last alerts: stop once the forwarder has been idle as long.
-            deadline = time.monotonic() + max(30.0, 3 * args.exit_when_idle)
+            deadline = time.monotonic() + max(30.0, 3 * args.exit_when_idle_s)
             while thread.is_alive() and time.monotonic() < deadline and \
-                    forwarder.idle_s() < args.exit_when_idle:
+                    forwarder.idle_s() < args.exit_when_idle_s:
                 time.sleep(0.2)
         stop.set()
         thread.join(timeout=15)

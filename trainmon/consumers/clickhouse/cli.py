@@ -7,12 +7,12 @@ import sys
 import urllib.error
 import uuid
 
-from ... import topics
 from ...schemas import RECORD_TYPES
 from .client import EngineBusy, Target, connect
 from .ddl import create_table_sql
 from ..runtime import read_to_end_as_of_now
-from .loader import Loader
+from ..serving import attach
+from .loader import ClickHouseSink
 from .schema_setup import create_all
 from .service import (add_batch_arguments, add_target_arguments, configure_logging,
                       insert_clients, sql_endpoint_for, target_from)
@@ -111,19 +111,18 @@ def replay_main(argv: list[str] | None = None) -> int:
         create_all(client, target.database)
         group = f"trainmon-replay-{uuid.uuid4().hex[:12]}"
         with sql_endpoint_for(target), insert_clients(target, args.insert_threads) as inserting:
-            loader = Loader(client, database=target.database, group_id=group,
-                            topic_prefix=args.topic_prefix, max_rows=args.batch_rows,
-                            max_wait_s=args.batch_ms / 1000, insert_clients=inserting,
-                            # A throwaway group: a dynamic member leaves it at close, so
-                            # it can be deleted (a static member would keep it non-empty).
-                            consumer_settings={"group_instance_id": None})
-            names = [topics.topic_for(k, loader.stream.prefix) for k in RECORD_TYPES]
-            loader.run(until=read_to_end_as_of_now(loader.stream, names))
+            sink = ClickHouseSink(client, database=target.database, max_rows=args.batch_rows,
+                                  max_wait_s=args.batch_ms / 1000, insert_clients=inserting)
+            # A throwaway group: a dynamic member leaves it at close, so it can be deleted
+            # (a static member would keep it non-empty).
+            loading = attach(sink, group=group, topic_prefix=args.topic_prefix,
+                             consumer_settings={"group_instance_id": None})
+            loading.run(until=read_to_end_as_of_now(loading.stream, loading.stream.topic_names))
         _delete_group(group)
     finally:
         client.close()
-    print(f"replayed {loader.rows_inserted} rows into {target.describe()} "
-          f"({loader.dead_letters} dead letters)")
+    print(f"replayed {sink.rows_inserted} rows into {target.describe()} "
+          f"({loading.stream.dead_letters} dead letters)")
     return 0
 
 

@@ -1,5 +1,6 @@
 """Kafka -> ClickHouse, exactly once: the sink behind ``trainmon consume clickhouse`` and
-``trainmon replay``, on the consumer runtime (which polls, retries and commits).
+``trainmon replay``, on the consumer runtime (which polls, retries and commits; see
+``serving.serve``).
 
 - On partition assignment, seek each partition to ``max(_offset) + 1`` as stored in
   ClickHouse: the tables, not Kafka's committed offsets, say what is loaded, so an
@@ -46,7 +47,7 @@ from typing import Sequence
 from ...kafka_client import TopicPartition
 from ...schemas import RECORD_TYPES
 from .. import runtime
-from ..stream import Message, RecordStream
+from ..stream import Message
 from .batches import PartitionBuffers
 from .columns import insert_batch, insert_json, json_body, json_ready
 from .schema_setup import create_probe_table
@@ -59,6 +60,7 @@ log = logging.getLogger("trainmon.clickhouse")
 # Test hook: kill -9 this process right after the N-th batch insert, before its Kafka
 # commit: the window in which a naive consumer duplicates rows.
 _CRASH_AFTER_INSERTS = int(os.environ.get("TRAINMON_CLICKHOUSE_CRASH_AFTER_INSERTS") or 0)
+DEFAULT_GROUP = "trainmon-clickhouse"
 REVOKE_ATTEMPTS = 3  # a rebalance waits on these tries, not on an outage
 COLLECT_S = 0.1  # while inserts are in flight, how often written batches are committed
 
@@ -95,12 +97,17 @@ class Batch:
 
 
 class ClickHouseSink(runtime.Sink):
+    """Every record kind into its table; serve it with ``serving.serve``."""
+
     name = "clickhouse loader"
+    group = DEFAULT_GROUP
 
     def __init__(self, client, *, database: str, max_rows: int = 50_000, max_wait_s: float = 0.5,
-                 insert_clients: Sequence = ()):
+                 insert_clients: Sequence = (), env: dict | None = None):
         """``insert_clients``: one background insert lane each (see :mod:`.writer`); none:
-        one lane on ``client``, which then never runs a query while that lane inserts."""
+        one lane on ``client``, which then never runs a query while that lane inserts.
+        ``env``: where TRAINMON_CLICKHOUSE_VALIDATE_ALL is read (default os.environ)."""
+        self.undecoded_kinds = tuple(stored_as_they_come(env))
         self.client = client
         self.database = database
         self.buffers = PartitionBuffers(max_rows, max_wait_s)
@@ -244,6 +251,8 @@ class ClickHouseSink(runtime.Sink):
 
     def stop(self) -> None:
         self.writer.close()
+        log.info("stopped: %d rows inserted in %d inserts, %d dead letters", self.rows_inserted,
+                 self.inserts, self.context.stream.dead_letters)
 
     def _write(self, batch: Batch, dead_letter: bool = True, settings: dict | None = None) -> None:
         """Insert one batch; see :mod:`.refusals` for what each error leads to. Errors a
@@ -336,36 +345,6 @@ class ClickHouseSink(runtime.Sink):
                                             f"{_first_line(exc)}")
                 batch.lettered.add(id(m))
         return good
-
-
-class Loader:
-    """The ClickHouse sink on the consumer runtime, reading every record topic."""
-
-    def __init__(self, client, *, database: str, group_id: str, topic_prefix: str | None = None,
-                 env: dict | None = None, max_rows: int = 50_000, max_wait_s: float = 0.5,
-                 stop: threading.Event | None = None, consumer_settings: dict | None = None,
-                 insert_clients: Sequence = ()):
-        self.sink = ClickHouseSink(client, database=database, max_rows=max_rows, max_wait_s=max_wait_s,
-                                   insert_clients=insert_clients)
-        self.stream = RecordStream(group_id, topic_prefix=topic_prefix, env=env,
-                                   undecoded_kinds=stored_as_they_come(env),
-                                   **(consumer_settings or {}))
-        self.runtime = runtime.SinkRuntime(self.sink, self.stream, stop=stop)
-
-    @property
-    def rows_inserted(self) -> int:
-        return self.sink.rows_inserted
-
-    @property
-    def dead_letters(self) -> int:
-        return self.stream.dead_letters
-
-    def run(self, until=None) -> None:
-        """Load until stopped (or until ``until(runtime)`` holds with nothing buffered);
-        then write what is buffered, commit and close."""
-        self.runtime.run(until)
-        log.info("stopped: %d rows inserted in %d inserts, %d dead letters", self.sink.rows_inserted,
-                 self.sink.inserts, self.stream.dead_letters)
 
 
 def stored_as_they_come(env: dict | None = None) -> list[str]:

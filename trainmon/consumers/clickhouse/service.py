@@ -22,12 +22,12 @@ from clickhouse_connect.driver.exceptions import OperationalError
 
 from ...kafka_client import bootstrap_servers
 from ..runtime import stop_on_signals
+from ..serving import add_exit_when_idle_argument, serve
 from .client import EngineBusy, Target, connect, connect_when_free
 from .schema_setup import create_all
-from .loader import Loader
+from .loader import ClickHouseSink
 from .sql_endpoint import SqlEndpoint
 
-DEFAULT_GROUP = "trainmon-clickhouse"
 log = logging.getLogger("trainmon.clickhouse")
 
 
@@ -112,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
         description="Load every record topic into typed ClickHouse tables, exactly once.")
     add_target_arguments(parser)
     add_batch_arguments(parser)
-    parser.add_argument("--group", default=DEFAULT_GROUP, help=f"consumer group (default {DEFAULT_GROUP})")
+    parser.add_argument("--group", default=ClickHouseSink.group,
+                        help=f"consumer group (default {ClickHouseSink.group})")
     parser.add_argument("--instance-id", default=os.environ.get("TRAINMON_CLICKHOUSE_INSTANCE_ID"),
                         help="static group membership id, used as given (unique per process): a "
                              "restarted process gets its partitions back at once instead of after "
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
                              "-2, -3 ... for more processes of the group on this host)")
     parser.add_argument("--no-sql-endpoint", action="store_true",
                         help="do not answer SQL for other processes")
+    add_exit_when_idle_argument(parser)
     args = parser.parse_args(argv)
     configure_logging()
     target = target_from(args)
@@ -138,15 +140,12 @@ def main(argv: list[str] | None = None) -> int:
         with sql_endpoint_for(target, not args.no_sql_endpoint), \
                 insert_clients(target, args.insert_threads) as inserting:
             freeze_start_up_objects()
-            loader = Loader(client, database=target.database, group_id=args.group,
-                            topic_prefix=args.topic_prefix, max_rows=args.batch_rows,
-                            max_wait_s=args.batch_ms / 1000, stop=stop, insert_clients=inserting,
-                            consumer_settings={"group_instance_id": args.instance_id}
-                            if args.instance_id else None)
-            log.info("consuming %s* from %s into %s as group %s (instance %s)",
-                     loader.stream.prefix, bootstrap_servers(),
-                     target.describe(), args.group, loader.stream.instance_id or "dynamic")
-            loader.run()
+            log.info("loading from %s into %s", bootstrap_servers(), target.describe())
+            sink = ClickHouseSink(client, database=target.database, max_rows=args.batch_rows,
+                                  max_wait_s=args.batch_ms / 1000, insert_clients=inserting)
+            serve(sink, group=args.group, topic_prefix=args.topic_prefix, stop=stop,
+                  consumer_settings={"group_instance_id": args.instance_id} if args.instance_id else None,
+                  exit_when_idle_s=args.exit_when_idle_s)
     finally:
         client.close()
     return 0
