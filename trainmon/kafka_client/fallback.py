@@ -75,7 +75,7 @@ class KafkaPythonTransport:
     def in_flight(self) -> int:
         return self._in_flight
 
-    def send(self, entry: Entry) -> None:
+    def send(self, entry: Entry, on_undelivered: Undelivered | None = None) -> None:
         from kafka.errors import KafkaError, MessageSizeTooLargeError
 
         topic, key, value = entry
@@ -87,14 +87,14 @@ class KafkaPythonTransport:
         try:
             future = producer.send(topic, key=key, value=value)
         except MessageSizeTooLargeError as exc:  # over max_request_size
-            self.dropped += split_or_drop(entry, self._on_undelivered, exc)
+            self.dropped += split_or_drop(entry, on_undelivered or self._on_undelivered, exc)
             return
         except KafkaError as exc:  # metadata not available within max_block_ms
             raise TransportUnavailable(str(exc)) from exc
         with self._room:
             self._in_flight += 1
         future.add_callback(self._delivered)
-        future.add_errback(self._undelivered, entry)
+        future.add_errback(self._undelivered, entry, on_undelivered or self._on_undelivered)
 
     # kafka-python calls these on its sender thread, with the bound arguments first.
     def _delivered(self, _metadata) -> None:
@@ -104,7 +104,7 @@ class KafkaPythonTransport:
         if self.on_ack is not None:
             self.on_ack()
 
-    def _undelivered(self, entry: Entry, exc: BaseException) -> None:
+    def _undelivered(self, entry: Entry, on_undelivered: Undelivered, exc: BaseException) -> None:
         from kafka.errors import MessageSizeTooLargeError
 
         with self._room:
@@ -113,8 +113,8 @@ class KafkaPythonTransport:
         if isinstance(exc, MessageSizeTooLargeError) and not self._told_topic_limit:
             self._told_topic_limit = True
             say_topic_limit(entry[0], self._config.batch_bytes)
-        log.debug("trainmon: Kafka gave up on a message (%s); spilling it", exc)
-        self._on_undelivered([entry])
+        log.debug("trainmon: Kafka gave up on a message (%s)", exc)
+        on_undelivered([entry])
 
     def serve(self, timeout: float = 0.0) -> None:
         # kafka-python runs the callbacks on its own thread: just wait for the answers.

@@ -51,7 +51,9 @@ class Transport(Protocol):
 
     @property
     def in_flight(self) -> int: ...  # messages sent and not yet answered
-    def send(self, entry: Entry) -> None: ...  # raises TransportUnavailable
+    # raises TransportUnavailable; a failure goes to on_undelivered where given (a resend
+    # of records the producer still holds), else to the transport's own
+    def send(self, entry: Entry, on_undelivered: Undelivered | None = None) -> None: ...
     def serve(self, timeout: float = 0.0) -> None: ...  # hand answers to their callbacks, waiting up to timeout for one
     def flush(self, timeout: float) -> bool: ...
     def close(self, timeout: float) -> None: ...
@@ -179,11 +181,15 @@ class ConfluentTransport:
     def in_flight(self) -> int:
         return len(self._producer) if self._producer is not None else 0
 
-    def send(self, entry: Entry) -> None:
+    def send(self, entry: Entry, on_undelivered: Undelivered | None = None) -> None:
         topic, key, value = entry
         producer = self._producer if self._producer is not None else self._connect()
         try:
-            producer.produce(topic, value=value, key=key, headers=self._headers)
+            if on_undelivered is None:
+                producer.produce(topic, value=value, key=key, headers=self._headers)
+            else:
+                producer.produce(topic, value=value, key=key, headers=self._headers,
+                                 on_delivery=lambda error, message: self._report(error, message, on_undelivered))
         except BufferError as exc:  # max_in_flight_messages unanswered: Kafka is away or slow
             raise TransportUnavailable(f"{len(producer)} messages unacknowledged by Kafka") from exc
         except Exception as exc:
@@ -192,24 +198,22 @@ class ConfluentTransport:
             if not isinstance(exc, KafkaException):
                 raise
             if exc.args and exc.args[0].name() == "MSG_SIZE_TOO_LARGE":
-                self.dropped += split_or_drop(entry, self._on_undelivered, exc)
+                self.dropped += split_or_drop(entry, on_undelivered or self._on_undelivered, exc)
                 return
             raise TransportUnavailable(str(exc)) from exc
 
-    def _report(self, error, message) -> None:
+    def _report(self, error, message, on_undelivered: Undelivered | None = None) -> None:
         """A delivery report (on the worker's thread, inside serve/flush)."""
         if error is None:
             if self._on_ack is not None:
                 self._on_ack()
             return
-        self._failed((message.topic(), message.key(), message.value()), error)
-
-    def _failed(self, entry: Entry, error) -> None:
+        entry = (message.topic(), message.key(), message.value())
         if error.name() == "MSG_SIZE_TOO_LARGE" and not self._told_topic_limit:
             self._told_topic_limit = True
             say_topic_limit(entry[0], self._config.batch_bytes)
-        log.debug("trainmon: Kafka gave up on a message (%s); spilling it", error.str())
-        self._on_undelivered([entry])
+        log.debug("trainmon: Kafka gave up on a message (%s)", error.str())
+        (on_undelivered or self._on_undelivered)([entry])
 
     def serve(self, timeout: float = 0.0) -> None:
         if self._producer is not None:

@@ -305,12 +305,19 @@ class Producer:
 
     @property
     def dropped(self) -> int:
-        """Records lost because neither Kafka nor the spill directory could take them."""
+        """Records lost: Kafka did not take them, the spill directory could not, and
+        memory was at its bound (or the process exited)."""
         return self._worker.dropped
 
     @property
     def spilled(self) -> int:
+        """Records waiting in the spill file for Kafka."""
         return self._worker.spilled
+
+    @property
+    def held_in_memory(self) -> int:
+        """Records waiting in memory for Kafka, because the spill file cannot be written."""
+        return self._worker.held_in_memory
 
     def flush(self, timeout: float = 10.0) -> bool:
         return self._worker.flush(timeout)

@@ -1,8 +1,14 @@
-"""The local spill file: where records wait while the broker is unreachable.
+"""The local spill file: a write-ahead log of the records Kafka has not acknowledged.
 
-Each producer owns one file, locked with flock while the process lives. A producer that
-starts later claims files whose lock is free (their owner exited or was killed) and
-sends what they hold, so records outlive the process that logged them.
+Each producer owns one file, locked with flock while the process lives. Records go in at
+the end; the sender reads from the front *without removing anything* and, only once
+Kafka has acknowledged what it read, drops that part. So a record is on disk from the
+moment it is spilled until Kafka has it, and a process killed at any moment (kill -9
+while a retry is in flight included) leaves it in the file. A producer that starts later
+claims files whose lock is free (their owner exited or was killed) and sends what they
+hold, so records outlive the process that logged them. A kill can at worst leave a
+record both in Kafka and in the file: it is sent twice, and every consumer keeps one row
+per event id.
 """
 
 from __future__ import annotations
@@ -13,12 +19,13 @@ import os
 import threading
 import uuid
 from pathlib import Path
+from typing import Callable
 
+from ..kafka_client.transport import Entry
 from ..schemas import count
 
-Entry = tuple[str, bytes, bytes]  # topic, key, message value (one or more records)
-
 SUFFIX = ".spill"
+_COMPACTING = ".compacting"  # a file being rewritten; never claimed (its data is also in the .spill)
 
 
 def _dump(entries: list[Entry]) -> str:
@@ -36,6 +43,12 @@ def _load(text: str) -> list[Entry]:
     return entries
 
 
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
 class SpillFile:
     def __init__(self, directory: Path, name: str):
         self.directory = Path(directory)
@@ -43,6 +56,8 @@ class SpillFile:
         self._lock = threading.Lock()
         self._fd: int | None = None
         self.count = 0  # records waiting in the file
+        self._read_end = 0  # bytes of the file the last read returned
+        self._read_records = 0
 
     def _open(self) -> int:
         if self._fd is None:
@@ -52,6 +67,7 @@ class SpillFile:
         return self._fd
 
     def append(self, entries: list[Entry]) -> None:
+        """At the end of the file; raises OSError (nothing written) where it cannot be."""
         if not entries:
             return
         data = _dump(entries).encode()
@@ -59,26 +75,62 @@ class SpillFile:
             fd = self._open()
             start = os.lseek(fd, 0, os.SEEK_END)
             try:
-                view = memoryview(data)
-                while view:  # a full disk can take part of a write: all of it, or none
-                    view = view[os.write(fd, view):]
+                _write_all(fd, data)  # a full disk can take part of a write: all of it, or none
             except OSError:
                 os.ftruncate(fd, start)
                 raise
             self.count += sum(count(value) for _, _, value in entries)
 
-    def take(self) -> list[Entry]:
-        """Everything waiting, in order; the file is emptied."""
+    def read(self, max_bytes: int) -> list[Entry]:
+        """The oldest entries, about max_bytes of them (at least one), left in the file
+        until :meth:`acknowledge`."""
         with self._lock:
+            self._read_end = self._read_records = 0
             if self._fd is None or self.count == 0:
                 return []
-            os.lseek(self._fd, 0, os.SEEK_SET)
-            chunks = []
-            while chunk := os.read(self._fd, 1 << 20):
-                chunks.append(chunk)
-            os.ftruncate(self._fd, 0)
-            self.count = 0
-        return _load(b"".join(chunks).decode())
+            data = b""
+            while True:  # until a whole line is in hand (a line may exceed max_bytes)
+                chunk = os.pread(self._fd, max(max_bytes, 1 << 16), len(data))
+                data += chunk
+                end = data.rfind(b"\n") + 1
+                if end or not chunk:
+                    break
+            entries = _load(data[:end].decode())
+            self._read_end = end
+            self._read_records = sum(count(value) for _, _, value in entries)
+        return entries
+
+    def acknowledge(self) -> None:
+        """Kafka has everything the last read returned: drop it from the file."""
+        with self._lock:
+            if not self._read_end or self._fd is None:
+                return
+            size = os.fstat(self._fd).st_size
+            if self._read_end >= size:
+                os.ftruncate(self._fd, 0)  # the usual case: everything was sent
+            else:
+                self._keep_only_after(self._read_end, size)
+            self.count = max(0, self.count - self._read_records)
+            self._read_end = self._read_records = 0
+
+    def _keep_only_after(self, offset: int, size: int) -> None:
+        """Rewrite the file as its bytes from offset on (records spilled while the read
+        ones were in flight), atomically: a new file, locked, renamed over the old one.
+        A kill before the rename leaves the old file, which sends the acknowledged part
+        again; never a file without the rest."""
+        tail = os.pread(self._fd, size - offset, offset)
+        temp = self.path.with_name(self.path.name + _COMPACTING)
+        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _write_all(fd, tail)
+            os.replace(temp, self.path)
+        except OSError:
+            os.close(fd)
+            temp.unlink(missing_ok=True)
+            raise
+        os.close(self._fd)  # (a claimer waiting on the old file finds it unlinked)
+        self._fd = fd
 
     def close(self) -> None:
         """Release the file; an empty one is removed, a non-empty one is left for later."""
@@ -96,12 +148,14 @@ class SpillFile:
         self.count = 0
 
 
-def claim_orphans(directory: Path, own: Path | None = None) -> list[Entry]:
-    """Read and delete spill files whose owner is gone (their flock is free)."""
-    entries: list[Entry] = []
+def claim_orphans(directory: Path, keep: Callable[[list[Entry]], bool], own: Path | None = None) -> None:
+    """Hand the records of spill files whose owner is gone (their flock is free) to
+    ``keep``, and delete each file once ``keep`` says its records are on disk again (in
+    the caller's own spill file). A file whose records could only be kept in memory
+    stays, so that a kill now still loses nothing (at worst its records are sent twice)."""
     directory = Path(directory)
     if not directory.is_dir():
-        return entries
+        return
     for path in sorted(directory.glob(f"*{SUFFIX}")):
         if own is not None and path == own:
             continue
@@ -110,16 +164,15 @@ def claim_orphans(directory: Path, own: Path | None = None) -> list[Entry]:
         except FileNotFoundError:
             continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            continue  # a live producer owns it
-        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # a live producer owns it
             if os.fstat(fd).st_nlink == 0:
-                continue  # another producer claimed it while we waited
+                continue  # another producer claimed it, or its owner rewrote it, while we waited
             with open(fd, "rb", closefd=False) as f:
-                entries.extend(_load(f.read().decode()))
-            path.unlink(missing_ok=True)
+                entries = _load(f.read().decode())
+            if not entries or keep(entries):
+                path.unlink(missing_ok=True)
         finally:
             os.close(fd)
-    return entries

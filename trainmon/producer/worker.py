@@ -45,6 +45,7 @@ from ..kafka_client.errors import TransportUnavailable
 from ..schemas import MAX_MESSAGE_BYTES, MAX_RECORDS_PER_MESSAGE, Record, count, encode, pack
 from ..schemas.jsonsafe import json_safe
 from .deferred import DeferredRecord
+from .backlog import Backlog
 from .spill import Entry, SpillFile, claim_orphans
 
 log = logging.getLogger("trainmon.producer")
@@ -74,6 +75,12 @@ _HOLD_CHECK_EVERY = 16
 # reports: a message Kafka gives up on (after the 5 s delivery timeout) is on disk within
 # this much more, even if the loop logs nothing after it.
 _WATCH_S = 10.0
+# Records sent again from the backlog go in batches of about this size; the thread waits
+# for Kafka's answer to each batch (every message fails within the delivery timeout, 5 s,
+# while the broker is away) before the next, and returns to the queue after _BACKLOG_TURN_S.
+_BACKLOG_BATCH_BYTES = 8 << 20
+_ANSWERS_WITHIN_S = 10.0
+_BACKLOG_TURN_S = 1.0
 
 
 class _Flush:
@@ -117,7 +124,7 @@ class Worker:
         self._on_reject = on_reject or (lambda record, reason: log.error(
             "trainmon: dropped a %s record: %s", record.kind, reason))
         self.sent = 0
-        self.dropped = 0  # records that could be kept neither in Kafka nor in the spill file
+        self.dropped = 0  # records that could be kept neither in Kafka, nor on disk, nor in memory
         # Log calls may send their own records after a quiet spell (see the module's
         # docstring) where nothing of theirs waits on a file (the observers) and the
         # client's send never blocks (librdkafka's; kafka-python's may wait for metadata).
@@ -141,7 +148,10 @@ class Worker:
         self._start_lock = threading.Lock()
         self._thread: threading.Thread | None = None
         self._spill = SpillFile(self._spill_dir, self._spill_name)
+        # Without a usable spill directory, records wait in memory up to the queue's bound.
+        self._backlog = Backlog(self._spill, memory_bound=self._queue_size)
         self._transport = self._make_transport(self._undelivered)
+        self._disk_error_reported = False
         self._drop_reported = False
         self._retry_at = 0.0
         self._backoff = 0.5
@@ -159,7 +169,13 @@ class Worker:
 
     @property
     def spilled(self) -> int:
-        return self._spill.count
+        """Records waiting in the spill file for Kafka."""
+        return self._backlog.on_disk
+
+    @property
+    def held_in_memory(self) -> int:
+        """Records waiting in memory for Kafka because the spill file cannot be written."""
+        return self._backlog.in_memory
 
     @property
     def queued(self) -> int:
@@ -209,7 +225,7 @@ class Worker:
                 transport.serve()
             finally:
                 self._serving_for_caller = False
-            if transport.in_flight or self._spill.count or now < self._retry_at:
+            if transport.in_flight or self._backlog.records or now < self._retry_at:
                 return False
             entry = self._entry(topic, key, record)
             if entry is None:  # rejected (counted and logged)
@@ -255,6 +271,11 @@ class Worker:
             self._window_over.set()
             self._thread.join(timeout + 1.0)
         self._transport.close(timeout=max(0.5, timeout / 2))
+        lost = self._backlog.discard_memory()
+        if lost:
+            self.dropped += lost
+            log.error("trainmon: %d records kept in memory (the spill directory %s could not be "
+                      "written) were not taken by Kafka before exit", lost, self._spill_dir)
         if self._spill.count:
             log.warning("trainmon: %d records could not reach Kafka; they are kept in %s and "
                         "sent by the next trainmon producer that starts", self._spill.count,
@@ -273,7 +294,7 @@ class Worker:
     def _run(self) -> None:
         with self._lock:
             try:
-                self._keep(claim_orphans(self._spill_dir, own=self._spill.path))
+                claim_orphans(self._spill_dir, self._adopt, own=self._spill.path)
             except OSError as exc:  # an unreadable spill directory: nothing of earlier runs to send
                 log.warning("trainmon: cannot read the spill directory %s: %s", self._spill_dir, exc)
             while True:
@@ -286,7 +307,7 @@ class Worker:
     def _wait(self, timeout: float | None):
         """The next queued item, waiting up to timeout (None: for ever) without the lock;
         None when the time passed. Watches (log calls may send) where it can."""
-        watch = self._callers_may_send and self._watch_next and not self._spill.count
+        watch = self._callers_may_send and self._watch_next and not self._backlog.records
         if watch:
             timeout = _WATCH_S if timeout is None else min(timeout, _WATCH_S)
             sent_before = self._sent_by_callers
@@ -316,7 +337,7 @@ class Worker:
             self._gathering = bool(items)
             return items
         timeout = _ANSWER_WAIT_S if self._transport.in_flight else None
-        if self._spill.count:
+        if self._backlog.records:
             retry_in = max(0.01, self._retry_at - time.monotonic())
             timeout = retry_in if timeout is None else min(timeout, retry_in)
         first = self._wait(timeout)
@@ -388,7 +409,7 @@ class Worker:
             if isinstance(item, _Stop):
                 return True
             self._finish_flush(item)
-        if entries or (self._spill.count and time.monotonic() >= self._retry_at):
+        if entries or (self._backlog.records and time.monotonic() >= self._retry_at):
             self._deliver(entries)
         return False
 
@@ -458,20 +479,21 @@ class Worker:
 
     def _deliver(self, entries: list[Entry]) -> None:
         messages = pack_messages(entries)
+        if self._backlog.records:
+            # Older records wait for Kafka: these go behind them, in order.
+            self._keep(messages)
+            if time.monotonic() >= self._retry_at:
+                self._send_backlog(time.monotonic() + _BACKLOG_TURN_S)
+            return
         if time.monotonic() < self._retry_at:
             self._keep(messages)
             return
-        pending = self._taken() + messages if self._spill.count else messages
-        for i, entry in enumerate(pending):
+        for i, entry in enumerate(messages):
             try:
                 self._transport.send(entry)
             except TransportUnavailable as exc:
-                self._keep(pending[i:])
-                if self._backoff == 0.5:
-                    log.info("trainmon: Kafka unreachable (%s); spilling to %s until it returns",
-                             exc, self._spill.path)
-                self._retry_at = time.monotonic() + self._backoff
-                self._backoff = min(self._backoff * 2, 5.0)
+                self._keep(messages[i:])
+                self._unreachable(exc)
                 return
             self.sent += count(entry[2])
         self._backoff = 0.5
@@ -479,15 +501,62 @@ class Worker:
             self._last_sent = time.monotonic()
             self._watch_next = True
 
+    def _unreachable(self, reason: object) -> None:
+        if self._backoff == 0.5:
+            log.info("trainmon: Kafka unreachable (%s); keeping records in %s until it returns",
+                     reason, self._spill.path)
+        self._retry_at = time.monotonic() + self._backoff
+        self._backoff = min(self._backoff * 2, 5.0)
+
+    def _send_backlog(self, until: float, answers_by: float | None = None) -> bool:
+        """Send what waits for Kafka, oldest first, one batch at a time, until it is all
+        acknowledged (True) or Kafka fails one (False: back off) or ``until`` passes.
+
+        A batch stays in the spill file while it is in flight and is dropped from it only
+        once Kafka has answered every message in it (a write-ahead log): a rank killed
+        during the retry keeps it. Waiting for the answers holds this thread (not the
+        training loop, whose records queue meanwhile) at most the delivery timeout, or
+        until ``answers_by`` (a flush's deadline). A batch given up on before its answers
+        came is sent again later: a record may reach Kafka twice, never zero times."""
+        while self._backlog.records:
+            batch = self._backlog.peek(_BACKLOG_BATCH_BYTES)
+            failed: list[Entry] = []
+            try:
+                for entry in batch:
+                    self._transport.send(entry, on_undelivered=failed.extend)
+            except TransportUnavailable as exc:
+                self._unreachable(exc)
+                return False  # (what was handed over may still arrive: at worst sent twice)
+            wait = _ANSWERS_WITHIN_S if answers_by is None else answers_by - time.monotonic()
+            if not self._transport.flush(max(0.1, min(_ANSWERS_WITHIN_S, wait))):
+                self._unreachable("no answer from Kafka")  # unanswered: still on disk
+                return False
+            records = sum(count(value) for _, _, value in batch)
+            lost_again = sum(count(value) for _, _, value in failed)
+            if lost_again == records:
+                self._unreachable("Kafka took none of the records sent again")
+                return False
+            if failed:
+                # Kafka took part of the batch: the rest joins the end before the batch
+                # is let go, so it is on disk (or in memory) at every moment.
+                self._keep(failed)
+            self._backlog.acknowledge()
+            self.sent += records - lost_again
+            self._backoff = 0.5
+            self._last_sent = time.monotonic()
+            if time.monotonic() >= until:
+                break
+        return not self._backlog.records
+
     def _undelivered(self, entries: list[Entry]) -> None:
         """Kafka gave up on these (no acknowledgement within the delivery timeout: the
-        broker is away): on disk, and no new sends until the backoff has passed, so the
-        spill file is not handed straight back to a client that cannot deliver it.
-        Runs where the client reports deliveries (the worker's thread for librdkafka,
-        kafka-python's own thread). They were counted as sent when handed over."""
+        broker is away): into the backlog, and no new sends until the backoff has
+        passed, so they are not handed straight back to a client that cannot deliver
+        them. Runs where the client reports deliveries (the worker's thread for
+        librdkafka, kafka-python's own thread). They were counted as sent when handed over."""
         self.sent -= sum(count(value) for _, _, value in entries)
         if self._serving_for_caller:
-            # The thread writes them to the spill file, not the training loop's call.
+            # The thread keeps them, not the training loop's call.
             for entry in entries:
                 self._items.put(_Encoded(entry))
             self._watching = False
@@ -496,45 +565,47 @@ class Worker:
         self._retry_at = max(self._retry_at, time.monotonic() + self._backoff)
         self._backoff = min(self._backoff * 2, 5.0)
 
-    def _keep(self, entries: list[Entry]) -> None:
-        """Into the spill file; where it cannot be written (a full disk, a directory that
-        is a file or read-only) the records are dropped and counted, and said once: never
-        an error for the training loop, and memory stays bounded."""
-        try:
-            self._spill.append(entries)
-        except OSError as exc:
-            lost = sum(count(value) for _, _, value in entries)
-            self.dropped += lost
+    def _keep(self, entries: list[Entry]) -> bool:
+        """Into the backlog: the spill file, else memory up to the bound; records beyond
+        it are dropped and counted. Each is said once; never an error for the training
+        loop. True when the records are on disk."""
+        if not entries:
+            return True
+        kept = self._backlog.add(entries)
+        if kept.disk_error is not None and not self._disk_error_reported:
+            self._disk_error_reported = True
+            log.error("trainmon: cannot keep records in the spill directory %s (%s): records Kafka "
+                      "has not acknowledged wait in memory instead, up to %d, and a rank killed "
+                      "before Kafka takes them loses them (this is said once)",
+                      self._spill_dir, kept.disk_error, self._backlog.memory_bound)
+        if kept.dropped:
+            self.dropped += kept.dropped
             if not self._drop_reported:
                 self._drop_reported = True
-                log.error("trainmon: cannot keep records in the spill directory %s (%s): records "
-                          "Kafka does not take are dropped and counted (this is said once; the "
-                          "count is in the message at exit and in producer.dropped)",
-                          self._spill_dir, exc)
+                log.error("trainmon: %d records wait in memory for Kafka, the bound: further records "
+                          "Kafka does not take are dropped and counted (this is said once; the count "
+                          "is in the message at exit and in producer.dropped)",
+                          self._backlog.memory_bound)
+        return kept.on_disk
 
-    def _taken(self) -> list[Entry]:
-        try:
-            return self._spill.take()
-        except OSError as exc:
-            log.error("trainmon: cannot read back the spill file %s: %s", self._spill.path, exc)
-            return []
+    def _adopt(self, entries: list[Entry]) -> bool:
+        """An earlier producer's spilled records (see claim_orphans): True once on disk here."""
+        return self._keep(entries)
 
     def _finish_flush(self, marker: _Flush) -> None:
-        # Records spilled because Kafka was slow or away go out first; keep at it until
-        # the deadline, as a large backlog only fits into Kafka as acknowledgements come.
+        # Records that wait for Kafka go out first; keep at it until the deadline, as a
+        # large backlog only fits into Kafka as acknowledgements come.
         while True:
-            while self._spill.count and time.monotonic() < marker.deadline:
-                self._retry_at = 0.0
-                self._deliver([])
-                if self._spill.count:
+            while self._backlog.records and time.monotonic() < marker.deadline:
+                if not self._send_backlog(marker.deadline, answers_by=marker.deadline):
                     time.sleep(min(0.2, max(0.0, marker.deadline - time.monotonic())))
             remaining = marker.deadline - time.monotonic()
             flushed = remaining > 0 and self._transport.flush(remaining)
-            # Messages Kafka gave up on during that flush are back in the spill file:
-            # while there is time, send them again.
-            if not self._spill.count or marker.deadline - time.monotonic() < 0.5:
+            # Messages Kafka gave up on during that flush are back in the backlog: while
+            # there is time, send them again.
+            if not self._backlog.records or marker.deadline - time.monotonic() < 0.5:
                 break
-        marker.ok = flushed and self._spill.count == 0
+        marker.ok = flushed and not self._backlog.records
         marker.done.set()
 
 

@@ -1,0 +1,101 @@
+"""What Kafka has not acknowledged, in the order it was logged, waiting to be sent again.
+
+On disk (the spill file, a write-ahead log: see spill.py) while the spill directory can be
+written, so a rank killed during an outage keeps what it logged. Where it cannot (a
+read-only or full disk, a file in the path), the records wait in memory instead, up to
+``memory_bound`` records, and only records beyond that are dropped: an unusable spill
+directory costs nothing while Kafka comes back before the bound is reached.
+
+The sender reads a batch (:meth:`peek`), hands it to Kafka and, once Kafka has
+acknowledged all of it, lets it go (:meth:`acknowledge`). Order: once records wait in
+memory, newer ones join them there until memory is empty again, and the file (older)
+is always read first.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import NamedTuple
+
+from ..kafka_client.transport import Entry
+from ..schemas import count
+from .spill import SpillFile
+
+
+class Kept(NamedTuple):
+    on_disk: bool  # in the spill file (else in memory, as far as the bound allowed)
+    dropped: int  # records beyond the memory bound
+    disk_error: OSError | None  # why the spill file could not take them
+
+
+class Backlog:
+    def __init__(self, spill: SpillFile, memory_bound: int):
+        self.spill = spill
+        self.memory_bound = memory_bound
+        # add() runs on the sender thread, on a log call's thread (a full queue) and on
+        # kafka-python's own thread (its failed deliveries); peek / acknowledge on the
+        # sender thread only.
+        self._lock = threading.Lock()
+        self._memory: deque[Entry] = deque()
+        self.in_memory = 0  # records waiting in memory
+        self._peeked_from_memory = 0  # entries the last peek took from memory (0: from disk)
+
+    @property
+    def on_disk(self) -> int:
+        return self.spill.count
+
+    @property
+    def records(self) -> int:
+        return self.spill.count + self.in_memory
+
+    def add(self, entries: list[Entry]) -> Kept:
+        with self._lock:
+            error = None
+            if not self._memory:
+                try:
+                    self.spill.append(entries)
+                    return Kept(True, 0, None)
+                except OSError as exc:
+                    error = exc
+            dropped = 0
+            for entry in entries:
+                records = count(entry[2])
+                if self.in_memory + records > self.memory_bound:
+                    dropped += records
+                    continue
+                self._memory.append(entry)
+                self.in_memory += records
+            return Kept(False, dropped, error)
+
+    def peek(self, max_bytes: int) -> list[Entry]:
+        """The oldest entries, about max_bytes of them; they stay until acknowledged."""
+        self._peeked_from_memory = 0
+        if self.spill.count:
+            return self.spill.read(max_bytes)
+        with self._lock:
+            batch, size = [], 0
+            for entry in self._memory:
+                if batch and size + len(entry[2]) > max_bytes:
+                    break
+                batch.append(entry)
+                size += len(entry[2])
+            self._peeked_from_memory = len(batch)
+        return batch
+
+    def acknowledge(self) -> None:
+        """Kafka has everything the last peek returned."""
+        if not self._peeked_from_memory:
+            self.spill.acknowledge()
+            return
+        with self._lock:
+            for _ in range(self._peeked_from_memory):
+                self.in_memory -= count(self._memory.popleft()[2])
+            self._peeked_from_memory = 0
+
+    def discard_memory(self) -> int:
+        """At exit: the records only memory held, which are lost now; their count."""
+        with self._lock:
+            lost, self.in_memory = self.in_memory, 0
+            self._memory.clear()
+            return lost
