@@ -12,13 +12,13 @@ import io
 import argparse
 import json
 import math
-import re
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 from .consumers.clickhouse.cli import query
 from .consumers.clickhouse.client import Target
+from .filenames import safe_name
 
 
 def sql_string(value: str) -> str:
@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     if not rows(target, f"SELECT 1 AS found FROM trainmon.run_summary WHERE run_id = {sql_string(run_id)}"):
         print(f"trainmon report: no run {run_id!r} in ClickHouse", file=sys.stderr)
         return 1
-    out = args.out or Path(f"trainmon-report-{re.sub(r'[^A-Za-z0-9_.-]', '_', run_id)}.html")
+    out = args.out or Path(f"trainmon-report-{safe_name(run_id)}.html")
     print(write_report(target, run_id, out))
     return 0
 
