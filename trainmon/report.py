@@ -94,9 +94,8 @@ def write_report(target: Target, run_id: str, path: Path) -> Path:
                           f"WHERE {run} GROUP BY step, name ORDER BY step, name")
     gpu = rows(target, f"SELECT rank, step, power, temperature, gpu_util, dram_free "
                        f"FROM trainmon.gpu FINAL WHERE {run} ORDER BY rank, step")
-    saves = rows(target, f"SELECT step, max(duration_ms) AS duration_ms, max(bytes) AS bytes "
-                         f"FROM trainmon.checkpoint FINAL WHERE {run} AND event = 'saved' "
-                         f"GROUP BY step ORDER BY step")
+    saves = rows(target, f"SELECT step, duration_ms, bytes FROM trainmon.checkpoint_saves "
+                         f"WHERE {run} ORDER BY step")
     disk = rows(target, f"SELECT step, min(free_bytes) AS free_bytes FROM trainmon.disk FINAL "
                         f"WHERE {run} GROUP BY step ORDER BY step")
     health = rows(target, f"SELECT rank, id AS gpu, max(ecc_volatile_corrected) AS ecc_corrected, "
@@ -104,9 +103,7 @@ def write_report(target: Target, run_id: str, path: Path) -> Path:
                           f"max(remapped_rows_failed) AS remap_failed, sum(xid_count) AS xid_events "
                           f"FROM trainmon.gpu_health FINAL WHERE {run} GROUP BY rank, gpu ORDER BY rank, gpu")
     warnings = rows(target, f"SELECT source, level, sum(n) AS count, groupArray(rank) AS ranks, "
-                            f"any(text) AS example FROM (SELECT rank, source, level, signature, "
-                            f"max(count) AS n, any(text) AS text FROM trainmon.log_event FINAL "
-                            f"WHERE {run} GROUP BY rank, source, level, signature) "
+                            f"any(text) AS example FROM trainmon.log_event_totals WHERE {run} "
                             f"GROUP BY source, level, signature ORDER BY count DESC LIMIT 20")
     alerts = [a for a in alerts_of(target, run_id) if a["state"] == "firing"]
     figures: list[tuple[str, str]] = []

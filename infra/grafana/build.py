@@ -441,13 +441,10 @@ MEMORY_DASHBOARD = {
     ],
 }
 
-SAVES = (f"SELECT step, min(time) AS time, any(path) AS path, max(duration_ms) AS duration_ms, "
-         f"max(bytes) AS bytes\n      FROM checkpoint FINAL WHERE {RUN} AND event = 'saved' GROUP BY step")
-# Log events carry a running count per rank and message signature: the latest is the total.
-WARNING_TOTALS = ("SELECT rank, source, level, signature, max(count) AS n, any(text) AS text, "
-                  "min(first_step) AS first_step, max(last_step) AS last_step\n"
-                  f"      FROM log_event FINAL WHERE {RUN} AND {RANKS}\n"
-                  "      GROUP BY rank, source, level, signature")
+# Views the report reads too (trainmon/consumers/clickhouse/views.py): one row per save,
+# one per rank and message signature with its total count.
+SAVES = f"SELECT step, time, path, duration_ms, bytes FROM checkpoint_saves WHERE {RUN}"
+WARNING_TOTALS = f"SELECT * FROM log_event_totals WHERE {RUN} AND {RANKS}"
 
 HEALTH_DASHBOARD = {
     "uid": "trainmon-health", "title": "trainmon / Health", "ranks": True,
@@ -480,7 +477,7 @@ HEALTH_DASHBOARD = {
               width=24, description="Empty cells: the GPU does not report that counter (not zero)."),
         stat("Steps since the last checkpoint",
              f"SELECT (SELECT max(step) FROM step WHERE {RUN}) - max(step) AS steps\n"
-             f"FROM checkpoint FINAL WHERE {RUN} AND event = 'saved'", width=6),
+             f"FROM checkpoint_saves WHERE {RUN}", width=6),
         stat("Last save took", f"SELECT argMax(duration_ms, step) FROM ({SAVES})", unit="ms", width=6),
         stat("Disk free now", f"SELECT argMax(free_bytes, time) FROM disk WHERE {RUN}",
              unit="bytes", width=6),

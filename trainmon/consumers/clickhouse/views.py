@@ -167,6 +167,28 @@ ROLLUP_STEPS = """    SELECT per_step.run_id AS run_id,
     ) AS rank_count ON rank_count.run_id = per_step.run_id
     GROUP BY per_step.run_id"""
 
+# A run's finished checkpoint saves, one row per step (a save's records from every rank
+# taken together): the report's and the Health dashboard's checkpoints.
+CHECKPOINT_SAVES = """
+CREATE OR REPLACE VIEW {db}.checkpoint_saves AS
+SELECT run_id, step, min(time) AS time, any(path) AS path, max(duration_ms) AS duration_ms,
+       max(bytes) AS bytes
+FROM {db}.checkpoint FINAL
+WHERE event = 'saved'
+GROUP BY run_id, step
+"""
+
+# Log events carry a running count per rank and message signature: the latest (largest)
+# is the total. One row per run, rank, source, level and signature: the report's and the
+# Health dashboard's warnings.
+LOG_EVENT_TOTALS = """
+CREATE OR REPLACE VIEW {db}.log_event_totals AS
+SELECT run_id, rank, source, level, signature, max(count) AS n, any(text) AS text,
+       min(first_step) AS first_step, max(last_step) AS last_step
+FROM {db}.log_event FINAL
+GROUP BY run_id, rank, source, level, signature
+"""
+
 VIEWS = {
     "step_across_ranks": STEP_ACROSS_RANKS,
     "latest_step": LATEST_STEP,
@@ -174,4 +196,6 @@ VIEWS = {
                               .replace("{step_times}", "SELECT run_id, time FROM {db}.step"),
     "run_overview": RUN_SUMMARY.replace("{name}", "run_overview").replace("{steps}", ROLLUP_STEPS)
                                .replace("{step_times}", "SELECT run_id, last_time FROM {db}.step_stats"),
+    "checkpoint_saves": CHECKPOINT_SAVES,
+    "log_event_totals": LOG_EVENT_TOTALS,
 }
