@@ -1,18 +1,19 @@
-"""What every forwarder (W&B, Aim, TensorBoard) does with a batch, on the consumer runtime
-(:mod:`.runtime`): hand each run's new points to its sink, make them durable, record
-progress; the runtime then commits the offsets.
+"""What every forwarder does with a batch, on the consumer runtime (:mod:`.runtime`): hand
+each run's new points to its experiment tracker (W&B, Aim, TensorBoard: an
+:class:`ExperimentTracker`), make them durable, record progress; the runtime then commits
+the offsets. :class:`ForwardingSink` is the runtime's sink; a tracker only writes.
 
-Exactly what reaches a sink is decided here, so the three sinks behave the same:
+Exactly what reaches a tracker is decided here, so the three behave the same:
 - Idempotence: records of one (run, rank, kind[, GPU]) stream share a partition and
   arrive in order, so each stream's highest forwarded step (its high-water mark) tells
-  which records a sink already has. Records at or below it are skipped: a replay of the
-  topics (a new consumer group, offsets reset) or a producer resend adds no point.
-- Order of durability: sink writes -> sink flush -> progress file (atomic rename) ->
-  Kafka commit. A crash anywhere re-reads records the marks then skip or re-send.
+  which records a tracker already has. Records at or below it are skipped: a replay of
+  the topics (a new consumer group, offsets reset) or a producer resend adds no point.
+- Order of durability: tracker writes -> tracker flush -> progress file (atomic rename)
+  -> Kafka commit. A crash anywhere re-reads records the marks then skip or re-send.
 - Back-pressure: one batch at a time; the next poll waits until this one is flushed and
-  committed, so a slow sink makes consumer lag grow in Kafka, not memory here.
-- A sink failure (disk full, a locked run) never loses data: the runtime retries the same
-  batch with backoff (marks and offsets stay where they were).
+  committed, so a slow tracker makes consumer lag grow in Kafka, not memory here.
+- A tracker failure (disk full, a locked run) never loses data: the runtime retries the
+  same batch with backoff (marks and offsets stay where they were).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import json
 import logging
 import os
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,9 +32,9 @@ from typing import Any, Callable, Protocol
 
 from ..filenames import safe_name
 from ..schemas import (DatasetRecord, GpuModelRecord, Record, RunRecord)
-from . import runtime
+from . import runtime, serving
 from .metric_names import STEP_KINDS, stream_key
-from .stream import Message, RecordStream
+from .stream import Message
 
 log = logging.getLogger("trainmon.forwarders")
 
@@ -122,8 +122,12 @@ class RunWork:
         return not self.records and self.config is None and self.ended is None
 
 
-class Sink(Protocol):
-    name: str
+class ExperimentTracker(Protocol):
+    """Where a forwarder mirrors runs: W&B, Aim, TensorBoard (WandbSink, AimSink,
+    TensorBoardSink). Not a runtime Sink: :class:`ForwardingSink` is that, and hands each
+    tracker only the points it does not have yet."""
+
+    name: str  # also names the command (trainmon consume NAME) and the group (trainmon-NAME)
 
     def write(self, work: RunWork) -> None: ...
 
@@ -211,15 +215,18 @@ class ForwarderStats:
 
 
 class ForwardingSink(runtime.Sink):
-    """Batches records for a W&B / Aim / TensorBoard sink: a batch goes out when it holds
-    ``batch_records`` or its first record waited ``linger_ms``. A failed write is retried by
-    the runtime with the same batch (planned again against the progress, which only moves
-    once a batch is durable)."""
+    """Batches records for an experiment tracker (W&B, Aim, TensorBoard): a batch goes out
+    when it holds ``batch_records`` or its first record waited ``linger_ms``. A failed write
+    is retried by the runtime with the same batch (planned again against the progress, which
+    only moves once a batch is durable)."""
 
-    def __init__(self, target: Sink, store: ProgressStore, *, batch_records: int = 5000,
+    kinds = FORWARDED_KINDS
+
+    def __init__(self, target: ExperimentTracker, store: ProgressStore, *, batch_records: int = 5000,
                  linger_ms: int = 500, idle_close_seconds: float = 600.0):
         self.target = target
         self.name = f"{target.name} forwarder"
+        self.group = default_group(target.name)
         self.store = store
         self.batch_records = batch_records
         self.linger_s = linger_ms / 1000
@@ -273,31 +280,15 @@ class ForwardingSink(runtime.Sink):
         self.target.close()
 
 
-class Forwarder:
-    """A forwarding sink on the consumer runtime, over a stream of FORWARDED_KINDS."""
-
-    def __init__(self, sink: Sink, stream: RecordStream, store: ProgressStore, *,
-                 stop: threading.Event | None = None, **batching):
-        self.sink = ForwardingSink(sink, store, **batching)
-        self.stream = stream
-        self.runtime = runtime.SinkRuntime(self.sink, stream, stop=stop)
-
-    @property
-    def stats(self) -> ForwarderStats:
-        return self.sink.stats
-
-    def run(self, exit_when_idle: float | None = None) -> ForwarderStats:
-        """Forward until stopped (or, with exit_when_idle, no record came for that long);
-        closes the sink and the stream."""
-        self.runtime.run(runtime.idle_for(exit_when_idle) if exit_when_idle is not None else None)
-        return self.stats
-
-
 # -- the command line shared by the three forwarders ---------------------------------------
 
-def arg_parser(sink_name: str, description: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=f"trainmon consume {sink_name}", description=description)
-    parser.add_argument("--group", default=f"trainmon-{sink_name}",
+def default_group(tracker_name: str) -> str:
+    return f"trainmon-{tracker_name}"
+
+
+def arg_parser(tracker_name: str, description: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=f"trainmon consume {tracker_name}", description=description)
+    parser.add_argument("--group", default=default_group(tracker_name),
                         help="Kafka consumer group (default: %(default)s)")
     parser.add_argument("--topic-prefix", default=None, help="default: TRAINMON_TOPIC_PREFIX or 'trainmon.'")
     parser.add_argument("--batch-records", type=int, default=5000,
@@ -306,24 +297,22 @@ def arg_parser(sink_name: str, description: str) -> argparse.ArgumentParser:
                         help="how long to wait to fill a batch (default: %(default)s)")
     parser.add_argument("--idle-close-seconds", type=float, default=600.0,
                         help="close a run's handle after this long without records (default: %(default)s)")
-    parser.add_argument("--exit-when-idle", type=float, default=None, metavar="SECONDS",
-                        help="exit once no record arrived for this long (catch-up / replay jobs)")
+    serving.add_exit_when_idle_argument(parser)
     return parser
 
 
-def serve(args: argparse.Namespace, make_sink: Callable[[], tuple[Sink, Path]]) -> int:
-    """Build the sink, run the forwarder until SIGTERM / SIGINT, close cleanly."""
+def forward(args: argparse.Namespace, make_tracker: Callable[[], tuple[ExperimentTracker, Path]]) -> int:
+    """Build the tracker, forward to it until SIGTERM / SIGINT (or idle, with
+    --exit-when-idle), close cleanly."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        sink, state_dir = make_sink()
+        tracker, state_dir = make_tracker()
     except MissingDependency as exc:
         print(exc, file=sys.stderr)
         return 2
-    stream = RecordStream(args.group, FORWARDED_KINDS, topic_prefix=args.topic_prefix)
-    forwarder = Forwarder(sink, stream, ProgressStore(state_dir), stop=runtime.stop_on_signals(),
-                          batch_records=args.batch_records, linger_ms=args.linger_ms,
-                          idle_close_seconds=args.idle_close_seconds)
-    log.info("trainmon: forwarding to %s (group %s)", sink.name, args.group)
-    stats = forwarder.run(exit_when_idle=args.exit_when_idle)
-    log.info("trainmon: %s forwarder stopped: %s", sink.name, stats)
+    sink = ForwardingSink(tracker, ProgressStore(state_dir), batch_records=args.batch_records,
+                          linger_ms=args.linger_ms, idle_close_seconds=args.idle_close_seconds)
+    serving.serve(sink, group=args.group, topic_prefix=args.topic_prefix, stop=runtime.stop_on_signals(),
+                  exit_when_idle_s=args.exit_when_idle_s)
+    log.info("trainmon: %s stopped: %s", sink.name, sink.stats)
     return 0
