@@ -6,6 +6,13 @@ and one Kafka message carries one or more records of one kind from one rank as J
 Lines (``pack`` / ``unpack``). Kafka's per-message cost in kafka-python (~30 µs of CPU
 to send, ~10 µs to fetch) is far above a record's own, so producers pack what they
 have ready into one message, as OTLP exporters do with spans.
+
+Adding a kind: a model in records.py with its ``kind`` and, where they apply, the class
+variables ``low_cardinality`` (string fields ClickHouse should dictionary-encode) and
+``stream_fields`` (what tells its records of one rank and step apart), and its sample in
+tests/samples.py (tests/test_record_kinds.py fails until it has one). Its topic, table,
+columns, W&B / Aim / TensorBoard names and forwarder stream derive from the model; a log
+call for it in producer/logger.py is the one more line, for kinds jobs log themselves.
 """
 
 from __future__ import annotations
