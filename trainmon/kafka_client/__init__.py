@@ -3,7 +3,7 @@
 Every consumer, the admin calls and the producer's default transport use confluent-kafka
 (librdkafka); the producer falls back to kafka-python, the pure-Python client, when
 confluent-kafka is not installed or ``TRAINMON_KAFKA_CLIENT=kafka-python`` asks for it
-(:mod:`.fallback`). No other trainmon module imports a Kafka client, so what the rest of
+(:mod:`.kafka_python_transport`). No other trainmon module imports a Kafka client, so what the rest of
 the code sees is this small API: partitions are plain ``(topic, partition)`` tuples,
 errors are :class:`KafkaError`, settings come from ``TRAINMON_KAFKA_*`` (:mod:`.settings`).
 """

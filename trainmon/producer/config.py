@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .. import topics
 from ..kafka_client import settings as kafka_settings
-from ..kafka_client.transport import choose_client
+from ..kafka_client.transport_choice import choose_client
 
 
 def _flag(value: str | None) -> bool:

@@ -26,7 +26,7 @@ import traceback
 import uuid
 import weakref
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Callable
 
 from pydantic import ValidationError
 
@@ -38,7 +38,8 @@ from .config import ProducerConfig
 from .deferred import EARLIEST_TIME, LATEST_TIME, checked_values, queued
 from .disk import DiskSampler
 from .surogate import ConsoleLine, JsonLogFile
-from ..kafka_client.transport import TransportSettings, make_transport
+from ..kafka_client.transport import Transport, TransportSettings, Undelivered
+from ..kafka_client.transport_choice import make_transport
 from .worker import Worker
 
 log = logging.getLogger("trainmon.producer")
@@ -80,7 +81,10 @@ def _never_raises(kind: str):
 
 
 class Producer:
-    def __init__(self, config: ProducerConfig | None = None, **overrides: Any):
+    def __init__(self, config: ProducerConfig | None = None, *,
+                 transport: Callable[[Undelivered], Transport] | None = None, **overrides: Any):
+        """``transport``: makes the way to Kafka from the callback for what it gives up on
+        (default: the client ``config.client`` names; tests pass a MemoryBroker's)."""
         self.config = config or ProducerConfig.from_env(**overrides)
         cfg = self.config
         self.rejected: dict[str, int] = {}
@@ -107,7 +111,10 @@ class Producer:
         settings = TransportSettings(cfg.bootstrap, cfg.kafka, linger_ms=0,
                                      batch_bytes=cfg.batch_size, max_message_bytes=cfg.max_message_bytes,
                                      compression=cfg.kafka_compression())
-        self._worker = Worker(lambda on_undelivered: make_transport(cfg.client, settings, on_undelivered),
+        if transport is None:
+            def transport(on_undelivered: Undelivered) -> Transport:
+                return make_transport(cfg.client, settings, on_undelivered)
+        self._worker = Worker(transport,
                               cfg.spill_dir, f"{_safe(cfg.run_id)}.{cfg.rank}",
                               queue_size=cfg.queue_size, yield_to_caller=cfg.yield_to_caller,
                               linger_s=cfg.linger_ms / 1000, pack_window_s=cfg.pack_window_ms / 1000,

@@ -90,7 +90,7 @@ class SpillFile:
                 return []
             data = b""
             while True:  # until a whole line is in hand (a line may exceed max_bytes)
-                chunk = os.pread(self._fd, max(max_bytes, 1 << 16), len(data))
+                chunk = os.pread(self._fd, max_bytes if not data else 1 << 16, len(data))
                 data += chunk
                 end = data.rfind(b"\n") + 1
                 if end or not chunk:

@@ -1,0 +1,186 @@
+"""The spill file as a write-ahead log and the memory backlog, in memory: a MemoryBroker
+stands in for Kafka (it gives up on messages after its delivery timeout while down, as
+librdkafka does), so these run in well under a second each. The real broker shows the
+same end to end in test_producer_spill_wal.py."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import time
+
+from trainmon.kafka_client.memory_transport import MemoryBroker
+from trainmon.producer import Producer, ProducerConfig
+from trainmon.producer.spill import SpillFile, claim_orphans
+from trainmon.schemas import count, pack, unpack
+
+
+def wait_until(condition, timeout: float = 10.0, what: str = "the condition"):
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+    return value
+
+
+def entry(*records: str) -> tuple[str, bytes, bytes]:
+    return ("t", b"k", pack([r.encode() for r in records]))
+
+
+def steps_in(broker: MemoryBroker, topic: str = "trainmon.step") -> list[bytes]:
+    return [record for value in broker.values(topic) for record in unpack(value)]
+
+
+# -- the spill file ----------------------------------------------------------------------
+
+def test_a_read_leaves_the_records_in_the_file_until_acknowledged(tmp_path):
+    spill = SpillFile(tmp_path, "run.0")
+    spill.append([entry('{"a":1}', '{"a":2}'), entry('{"a":3}')])
+    assert spill.read(1 << 20) == [entry('{"a":1}', '{"a":2}'), entry('{"a":3}')]
+    assert spill.count == 3 and spill.path.stat().st_size > 0  # still on disk
+    spill.acknowledge()
+    assert spill.count == 0 and spill.path.stat().st_size == 0
+
+
+def test_acknowledging_keeps_what_was_spilled_during_the_resend(tmp_path):
+    spill = SpillFile(tmp_path, "run.0")
+    spill.append([entry('{"a":1}')])
+    assert spill.read(1 << 20) == [entry('{"a":1}')]
+    spill.append([entry('{"a":2}')])  # failed while the first was in flight
+    spill.acknowledge()
+    assert spill.count == 1
+    assert spill.read(1 << 20) == [entry('{"a":2}')]
+    # The rewritten file is still ours: no other producer can claim it while we live.
+    fd = os.open(spill.path, os.O_RDWR)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            raise AssertionError("the rewritten spill file is not locked")
+        except BlockingIOError:
+            pass
+    finally:
+        os.close(fd)
+    assert not list(tmp_path.glob("*.compacting"))
+
+
+def test_a_read_returns_about_max_bytes_and_at_least_one_entry(tmp_path):
+    spill = SpillFile(tmp_path, "run.0")
+    spill.append([entry('{"a":%d}' % i) for i in range(100)])
+    first = spill.read(50)
+    assert 1 <= len(first) < 100
+    spill.acknowledge()
+    assert spill.count == 100 - len(first)
+    assert spill.read(1 << 20)[0] == entry('{"a":%d}' % len(first))
+
+
+def test_an_orphan_is_deleted_only_once_its_records_are_on_disk_again(tmp_path):
+    orphan = SpillFile(tmp_path, "gone.0")
+    orphan.append([entry('{"a":1}')])
+    orphan._fd and os.close(orphan._fd)  # its owner died: the lock is free
+    orphan._fd = None
+    kept: list = []
+    claim_orphans(tmp_path, lambda entries: kept.extend(entries) or False)  # only in memory
+    assert kept == [entry('{"a":1}')] and orphan.path.exists()
+    claim_orphans(tmp_path, lambda entries: True)  # on disk in the claimer's own file
+    assert not orphan.path.exists()
+
+
+# -- the producer over a MemoryBroker ------------------------------------------------------
+
+def producer_for(broker: MemoryBroker, tmp_path, **config) -> Producer:
+    config.setdefault("spill_dir", tmp_path / "spill")
+    return Producer(ProducerConfig(run_id="mem", **config), transport=broker.transport)
+
+
+def test_spilled_records_stay_on_disk_while_they_are_sent_again(tmp_path):
+    broker = MemoryBroker()
+    producer = producer_for(broker, tmp_path)
+    broker.up = False
+    for step in range(100):
+        producer.log_step(step, loss=1.0)
+    wait_until(lambda: producer.spilled == 100, what="the records in the spill file")
+    on_disk_at_resend: list[int] = []
+    transport = producer._worker._transport
+    send = transport.send
+
+    def watched(entry, on_undelivered=None):
+        if on_undelivered is not None:  # a resend from the backlog
+            on_disk_at_resend.append(producer.spilled)
+        return send(entry, on_undelivered)
+
+    transport.send = watched
+    wait_until(lambda: on_disk_at_resend, what="a resend while the broker is down")
+    assert set(on_disk_at_resend) == {100}  # the attempt failed: nothing left the file
+    broker.up = True
+    assert producer.flush(10)
+    assert producer.spilled == 0
+    assert min(on_disk_at_resend) == 100
+    assert len(steps_in(broker)) == 100
+    producer.close()
+
+
+def test_records_logged_during_a_resend_join_the_file_behind_it(tmp_path):
+    broker = MemoryBroker()
+    producer = producer_for(broker, tmp_path)
+    broker.up = False
+    for step in range(50):
+        producer.log_step(step, loss=1.0)
+    wait_until(lambda: producer.spilled == 50)
+    broker.up = True
+    for step in range(50, 100):
+        producer.log_step(step, loss=1.0)
+    assert producer.flush(10)
+    steps = [int(r.split(b'"step":')[1].split(b",")[0]) for r in steps_in(broker)]
+    assert steps == list(range(100))  # in order, each once
+    producer.close()
+
+
+def test_without_a_usable_spill_directory_records_wait_in_memory(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    broker = MemoryBroker()
+    producer = producer_for(broker, tmp_path, spill_dir=blocker / "spill", queue_size=1_000)
+    broker.up = False
+    for step in range(300):
+        producer.log_step(step, loss=1.0)
+    wait_until(lambda: producer.held_in_memory == 300, what="records held in memory")
+    assert producer.dropped == 0 and producer.spilled == 0
+    broker.up = True
+    assert producer.flush(10)
+    assert producer.held_in_memory == 0 and producer.dropped == 0
+    assert len(steps_in(broker)) == 300
+    assert producer.close()
+
+
+def test_beyond_the_memory_bound_records_are_dropped_and_counted(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    broker = MemoryBroker()
+    producer = producer_for(broker, tmp_path, spill_dir=blocker / "spill", queue_size=100)
+    broker.up = False
+    for step in range(300):
+        producer.log_step(step, loss=1.0)
+    wait_until(lambda: producer.dropped == 200, what="the records beyond the bound dropped")
+    assert producer.held_in_memory == 100
+    broker.up = True
+    assert producer.flush(10)
+    assert len(steps_in(broker)) == 100
+    assert producer.close() is False  # records were lost: close says so
+    assert producer.dropped == 200
+
+
+def test_records_held_in_memory_at_exit_are_counted_as_dropped(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    broker = MemoryBroker()
+    producer = producer_for(broker, tmp_path, spill_dir=blocker / "spill")
+    broker.up = False
+    for step in range(20):
+        producer.log_step(step, loss=1.0)
+    wait_until(lambda: producer.held_in_memory == 20)
+    assert producer.close(timeout=0.5) is False
+    assert producer.dropped == 20 and producer.held_in_memory == 0
+
+
+def test_count_of_a_packed_entry():  # (the backlog counts records, not messages)
+    assert count(entry('{"a":1}', '{"a":2}')[2]) == 2

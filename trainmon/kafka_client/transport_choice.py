@@ -1,0 +1,36 @@
+"""Which transport the producer uses: confluent-kafka unless told or unable."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from .transport import Transport, TransportSettings, Undelivered
+
+log = logging.getLogger("trainmon.producer")
+
+CONFLUENT, KAFKA_PYTHON = "confluent-kafka", "kafka-python"
+
+
+def choose_client(env: dict | None = None) -> str:
+    """confluent-kafka unless ``TRAINMON_KAFKA_CLIENT=kafka-python`` or it is not installed."""
+    env = os.environ if env is None else env
+    wanted = (env.get("TRAINMON_KAFKA_CLIENT") or CONFLUENT).strip().lower()
+    if wanted == KAFKA_PYTHON:
+        return KAFKA_PYTHON
+    try:
+        import confluent_kafka  # noqa: F401
+    except ImportError:
+        log.info("trainmon: confluent-kafka is not installed; sending with kafka-python")
+        return KAFKA_PYTHON
+    return CONFLUENT
+
+
+def make_transport(client: str, config: TransportSettings, on_undelivered: Undelivered) -> Transport:
+    if client == KAFKA_PYTHON:
+        from .kafka_python_transport import KafkaPythonTransport
+
+        return KafkaPythonTransport(config, on_undelivered)
+    from .confluent_transport import ConfluentTransport
+
+    return ConfluentTransport(config, on_undelivered)
