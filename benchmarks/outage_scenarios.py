@@ -26,13 +26,24 @@ read through the service's SQL endpoint. The defaults take about 10-12 minutes.
      already have collapsed some, so this is a lower bound on the copies Kafka holds);
    - spill left at close (``producer.spilled`` after close, and files left in the spill
      dirs with the records they hold), dropped (``producer.dropped``), close()'s result.
-2. Consumer kill -9, ``--kills`` times (5): while one producer logs at 50 steps/s, the
+2. Ranks killed during the outage (``--mid-outage-kill``, on by default): 4 ranks log for
+   ``--settle`` s, the broker is killed with -9, and 20 s into the outage every rank is
+   killed with -9 (as an operator's chaos test would: at no chosen moment, so whatever
+   the sender was doing, a resend of its spill file included). Meanwhile the spill files
+   are counted every 0.5 s. Then the broker returns, the next producer on the machine (one
+   per spill directory) starts and sends what the killed ranks left, and ClickHouse is read.
+   Measured: records the ranks logged (each writes its steps to a file as it logs them),
+   how many are in ClickHouse once, how many were lost and how old the oldest lost one was
+   at the kill, and how often a spill file fell back to empty during the outage.
+3. Consumer kill -9, ``--kills`` times (5): while one producer logs at 50 steps/s, the
    ClickHouse service is killed with -9 and started again at once; measured is the time
    from the restart to the first row it inserts (its ``_inserted_at``); then every record
    must be in ClickHouse exactly once (distinct ids == logged).
 
 Targets: spill left at close 0; dropped 0; all records in ClickHouse; duplicates reported;
-delivery within 10 s of the broker's return; consumer loading again within 15 s each time.
+delivery within 10 s of the broker's return; consumer loading again within 15 s each time;
+ranks killed mid-outage lose nothing logged more than LOSABLE_S (8 s) before the kill, and
+their spill files never fall back to empty during the outage.
 A service that exits on its own is restarted (as docker-compose would) and reported.
 Every process and temp dir is cleaned up, and every scenario has a deadline.
 """
@@ -71,6 +82,10 @@ CATCH_UP_S = 120.0         # how long ClickHouse may take to hold every record a
 CLOSE_TIMEOUT_S = 120.0
 DELIVERY_TARGET_S = 10.0
 CONSUMER_TARGET_S = 15.0
+# What a rank killed during an outage may lose: the records Kafka has not given up on yet
+# (the 5 s delivery timeout), the pack window (0.8 s) and the reports' interval (2 s).
+LOSABLE_S = 8.0
+MID_OUTAGE_KILL_S = 20.0
 
 
 # -- producer processes ------------------------------------------------------------------
@@ -419,7 +434,113 @@ def max_or_none(values):
     return None if not values or any(v is None for v in values) else max(values)
 
 
-# -- scenario 2: the consumer killed -------------------------------------------------------
+# -- scenario 2: ranks killed during the outage ------------------------------------------
+
+def produce_until_killed(bootstrap: str, prefix: str, run_id: str, rank: int, world_size: int,
+                         spill_dir: str, progress: str, go, results) -> None:
+    """One rank that logs at RATE and writes "step wall-time" per record it logged."""
+    from trainmon.producer import Producer, ProducerConfig
+
+    producer = Producer(ProducerConfig(bootstrap=bootstrap, topic_prefix=prefix, run_id=run_id,
+                                       rank=rank, world_size=world_size, spill_dir=Path(spill_dir)))
+    results.put(("ready", rank, None))
+    go.wait()
+    began, step = time.monotonic(), 0
+    with open(progress, "a", buffering=1) as out:
+        while True:
+            producer.log_step(step, epoch=0.0, step_tokens=4096, duration_ms=20.0, loss=2.0, norm=1.0)
+            out.write(f"{step} {time.time()}\n")
+            step += 1
+            ahead = began + step / RATE - time.monotonic()
+            if ahead > 0:
+                time.sleep(ahead)
+
+
+def logged_steps(progress: Path) -> dict[int, float]:
+    return {int(step): float(at) for step, at in
+            (line.split() for line in progress.read_text().splitlines() if line.count(" ") == 1)}
+
+
+def mid_outage_kill(settle_s: float) -> dict:
+    print(f"\nranks killed mid-outage: {RANKS} ranks x {RATE:.0f} steps/s; the broker killed after "
+          f"{settle_s:.0f} s, every rank kill -9'd {MID_OUTAGE_KILL_S:.0f} s into the outage; the "
+          f"next producer on the machine sends what they left", flush=True)
+    run_id = f"midkill-{uuid.uuid4().hex[:6]}"
+    limit = 2 * 120 + settle_s + MID_OUTAGE_KILL_S + 120 + CLOSE_TIMEOUT_S + CATCH_UP_S + 120
+    with deadline(limit, "mid-outage kill"), pipeline("midkill") as (tmp, broker, service, prefix):
+        ctx = mp.get_context("spawn")
+        go, results = ctx.Event(), ctx.Queue()
+        spill_dirs = [tmp / f"spill-{rank}" for rank in range(RANKS)]
+        progress = [tmp / f"progress-{rank}" for rank in range(RANKS)]
+        procs = [ctx.Process(target=produce_until_killed, daemon=True, args=(
+            broker.bootstrap, prefix, run_id, rank, RANKS, str(spill_dirs[rank]), str(progress[rank]),
+            go, results)) for rank in range(RANKS)]
+        for p in procs:
+            p.start()
+        emptied = [0] * RANKS  # times a rank's spill file went from records to none
+        try:
+            for _ in procs:
+                results.get(timeout=120)
+            go.set()
+            pause(settle_s, service)
+            broker.stop(kill=True)
+            outage_began = time.monotonic()
+            before = [0] * RANKS
+            while time.monotonic() - outage_began < MID_OUTAGE_KILL_S:
+                for rank, directory in enumerate(spill_dirs):
+                    now = spill_left([directory])[1]
+                    emptied[rank] += before[rank] > 0 and now == 0
+                    before[rank] = now
+                service.keep_alive()
+                time.sleep(0.5)
+            for p in procs:
+                p.kill()  # SIGKILL
+            killed_at = time.time()
+            for p in procs:
+                p.join(30)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+        on_disk = spill_left(spill_dirs)
+        broker.start(timeout=120)
+        from trainmon.producer import Producer, ProducerConfig
+
+        for rank, directory in enumerate(spill_dirs):  # the next job on this machine
+            nxt = Producer(ProducerConfig(bootstrap=broker.bootstrap, topic_prefix=prefix,
+                                          run_id=f"next-{run_id}", rank=rank, spill_dir=directory))
+            nxt.flush(CLOSE_TIMEOUT_S)
+            nxt.close(30)
+        logged = [logged_steps(path) for path in progress]
+        total = sum(len(steps) for steps in logged)
+        # Every record the next producers sent is in Kafka now: wait for those that must
+        # arrive, then until the count stops growing.
+        must = sum(at < killed_at - LOSABLE_S for steps in logged for at in steps.values())
+        distinct, rows, waited = wait_caught_up(service, run_id, must)
+        while (again := step_ids(service, run_id)) != (distinct, rows):
+            distinct, rows = again
+            time.sleep(2)
+        stored = [set(int(v) for v in service.sql(
+            f"SELECT arrayStringConcat(groupArray(toString(step)), ',') FROM (SELECT DISTINCT step "
+            f"FROM trainmon.step WHERE run_id = '{run_id}' AND rank = {rank})")[0].split(",") if v)
+            for rank in range(RANKS)]
+        lost_ages = [killed_at - at for rank in range(RANKS)
+                     for step, at in logged[rank].items() if step not in stored[rank]]
+        old_lost = sum(age > LOSABLE_S for age in lost_ages)
+        row("records logged by the killed ranks", f"{total:,}")
+        row("in the spill files at the kill", f"{on_disk[1]:,} records in {on_disk[0]} files")
+        row("ClickHouse: distinct event ids / rows without FINAL",
+            f"{distinct:,} / {rows:,} (waited {waited:.1f} s)")
+        row("lost (in no table)", f"{len(lost_ages):,}, the oldest "
+            f"{max(lost_ages, default=0):.1f} s old at the kill")
+        row(f"lost that were logged > {LOSABLE_S:.0f} s before the kill", f"{old_lost:,}")
+        row("spill file back to empty during the outage", f"{sum(emptied)} times ({emptied})")
+        row("spill left after the next producer", f"{spill_left(spill_dirs)[1]} records")
+        return {"logged": total, "distinct": distinct, "lost": len(lost_ages), "old_lost": old_lost,
+                "emptied": sum(emptied), "left": spill_left(spill_dirs)[1]}
+
+
+# -- scenario 3: the consumer killed -------------------------------------------------------
 
 def wait_loading(service: Service, run_id: str, since: float, timeout: float = 60.0) -> float | None:
     """Seconds from ``since`` to the first row inserted after it; None past the timeout."""
@@ -474,16 +595,7 @@ def verdict(ok: bool) -> str:
     return "met" if ok else "MISSED"
 
 
-def print_targets(outages: list[dict | None], kills: dict | None, kills_run: bool) -> None:
-    print("\ntargets", flush=True)
-    done = [o for o in outages if o is not None]
-    complete = len(done) == len(outages)
-
-    def target(label: str, ok, figure) -> None:
-        """One line: met / MISSED (a failed scenario misses every target) and the figures."""
-        figures = ", ".join(f"{o['outage_s']:.0f} s: {figure(o)}" for o in done)
-        row(label, f"{verdict(complete and all(ok(o) for o in done))} ({figures or 'no outage finished'})")
-
+def outage_targets(done: list[dict], target) -> None:
     target("spill left at close = 0",
            lambda o: o["spilled"] == o["spill_records"] == o["spill_files"] == 0,
            lambda o: f"{o['spilled']} records, {o['spill_files']} files")
@@ -497,6 +609,36 @@ def print_targets(outages: list[dict | None], kills: dict | None, kills_run: boo
     target(f"delivery within {DELIVERY_TARGET_S:.0f} s of the broker's return",
            lambda o: (max_or_none(o["delivery_s"]) or 1e9) <= DELIVERY_TARGET_S,
            lambda o: f"max {ms(max_or_none(o['delivery_s']))}")
+
+
+def print_targets(outages: list[dict | None], kills: dict | None, kills_run: bool,
+                  midkill: dict | None = None, midkill_run: bool = False) -> None:
+    print("\ntargets", flush=True)
+    done = [o for o in outages if o is not None]
+    complete = len(done) == len(outages)
+
+    def target(label: str, ok, figure) -> None:
+        """One line: met / MISSED (a failed scenario misses every target) and the figures."""
+        figures = ", ".join(f"{o['outage_s']:.0f} s: {figure(o)}" for o in done)
+        row(label, f"{verdict(complete and all(ok(o) for o in done))} ({figures or 'no outage finished'})")
+
+    if not outages:
+        row("broker outage targets", "not run (--outages '')")
+    else:
+        outage_targets(done, target)
+
+    label = f"ranks killed mid-outage: nothing logged > {LOSABLE_S:.0f} s before the kill lost"
+    if not midkill_run:
+        row(label, "not run")
+    elif midkill is None:
+        row(label, "MISSED (the scenario failed)")
+    else:
+        row(label, f"{verdict(midkill['old_lost'] == 0)} ({midkill['old_lost']:,} of "
+                   f"{midkill['logged']:,}; {midkill['lost']:,} lost in all)")
+        row("ranks killed mid-outage: spill never back to empty",
+            f"{verdict(midkill['emptied'] == 0)} ({midkill['emptied']} times)")
+        row("ranks killed mid-outage: spill sent by the next producer",
+            f"{verdict(midkill['left'] == 0)} ({midkill['left']} records left)")
 
     label = f"consumer back within {CONSUMER_TARGET_S:.0f} s each time"
     if not kills_run:
@@ -518,6 +660,8 @@ def main() -> int:
     parser.add_argument("--settle", type=float, default=20.0,
                         help="seconds of logging before the kill and after the return (default 20)")
     parser.add_argument("--kills", type=int, default=5, help="consumer kill -9 rounds (default 5; 0 skips)")
+    parser.add_argument("--mid-outage-kill", action=argparse.BooleanOptionalAction, default=True,
+                        help="the ranks killed 20 s into a broker outage (default on)")
     args = parser.parse_args()
     outage_list = [float(x) for x in args.outages.split(",") if x.strip()]
     # `timeout` and Ctrl-C end the run through the finally blocks: nothing left running.
@@ -530,13 +674,19 @@ def main() -> int:
         except Exception as exc:
             print(f"  FAILED: {type(exc).__name__}: {exc}", flush=True)
             outages.append(None)
+    midkill = None
+    if args.mid_outage_kill:
+        try:
+            midkill = mid_outage_kill(args.settle)
+        except Exception as exc:
+            print(f"  FAILED: {type(exc).__name__}: {exc}", flush=True)
     kills = None
     if args.kills > 0:
         try:
             kills = consumer_kills(args.kills)
         except Exception as exc:
             print(f"  FAILED: {type(exc).__name__}: {exc}", flush=True)
-    print_targets(outages, kills, args.kills > 0)
+    print_targets(outages, kills, args.kills > 0, midkill, args.mid_outage_kill)
     return 0
 
 
