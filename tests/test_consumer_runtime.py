@@ -1,70 +1,23 @@
-"""The consumer runtime's contract, with a sink of its own on the real broker: offsets are
-committed only after a flush returned, and only as far as the sink's pre_commit says is
-written; a retriable failure is retried with the same records, a crash or a stop in the
-middle of failing commits nothing, poison is dead-lettered."""
+"""The consumer runtime's contract, with a sink of its own on the real broker (the same
+contract in memory: test_consumer_runtime_memory.py): offsets are committed only after a
+flush returned, and only as far as the sink's pre_commit says is written; a retriable
+failure is retried with the same records, a crash or a stop in the middle of failing
+commits nothing, poison is dead-lettered."""
 
 from __future__ import annotations
 
 import threading
-import time
 import uuid
-from datetime import datetime, timezone
 
 import pytest
 
 from trainmon import topics
 from trainmon.consumers import runtime
 from trainmon.consumers.stream import RecordStream
-from trainmon.schemas import StepRecord, encode, pack
+from trainmon.schemas import pack
 
 from .conftest import committed_offsets, end_offsets, send_raw
-
-FAST = runtime.RetryPolicy(first_s=0.01, max_s=0.05)
-
-
-def step_values(n: int) -> list[bytes]:
-    return [encode(StepRecord(run_id="rt", rank=0, world_size=1, host="h", time=datetime.now(timezone.utc),
-                              event_id=f"rt-{i}", step=i, epoch=0, step_tokens=1, duration_ms=1,
-                              loss=1, norm=1, lr=1)) for i in range(n)]
-
-
-class ListSink(runtime.Sink):
-    """Keeps what it was given; ``failures`` flushes raise RetriableError first, and
-    ``on_flush`` sees the group's committed offsets at every flush attempt."""
-
-    name = "list sink"
-
-    def __init__(self, failures: int = 0, crash: bool = False, on_flush=None):
-        self.failures, self.crash, self.on_flush = failures, crash, on_flush
-        self.buffered: list = []
-        self.flushed: list = []
-        self.attempts = 0
-        self.opened: list = []
-        self.stopped = False
-
-    def open(self, partitions):
-        self.opened += partitions
-
-    def put(self, messages):
-        self.buffered += messages
-
-    def flush_in_s(self):
-        return 0.0 if self.buffered else None
-
-    def flush(self):
-        self.attempts += 1
-        if self.on_flush:
-            self.on_flush()
-        if self.crash:
-            raise RuntimeError("the sink's disk is gone")
-        if self.failures:
-            self.failures -= 1
-            raise runtime.RetriableError("not now")
-        self.flushed += self.buffered
-        self.buffered = []
-
-    def stop(self):
-        self.stopped = True
+from .runtime_support import FAST, HoldingSink, ListSink, step_values, until_flushed
 
 
 @pytest.fixture
@@ -77,15 +30,6 @@ def step_topic(kafka_broker, topic_prefix) -> str:
 def stream_for(bootstrap, topic_prefix, group) -> RecordStream:
     return RecordStream(group, ["step"], topic_prefix=topic_prefix, env={"TRAINMON_KAFKA_BOOTSTRAP": bootstrap},
                         group_instance_id=None)
-
-
-def until_flushed(sink: ListSink, n: int, timeout: float = 30.0):
-    deadline = time.monotonic() + timeout
-
-    def done(_runtime) -> bool:
-        assert time.monotonic() < deadline, f"flushed {len(sink.flushed)} of {n}"
-        return len(sink.flushed) >= n
-    return done
 
 
 def test_commits_follow_a_successful_flush_and_retries_keep_the_records(bootstrap, topic_prefix, step_topic):
@@ -136,20 +80,6 @@ def test_a_stop_while_the_flush_fails_gives_up_after_a_few_tries_and_commits_not
     assert runner.closed and sink.flushed == [] and sink.stopped  # told, to close its handles
     assert sink.attempts == runtime.STOPPING_ATTEMPTS
     assert all(offset is None for offset in committed_offsets(bootstrap, group, step_topic).values())
-
-
-class HoldingSink(ListSink):
-    """Says everything from offset ``hold_at`` on is not written yet (as a sink writing in
-    the background does until its writes land)."""
-
-    def __init__(self, hold_at: int | None):
-        super().__init__()
-        self.hold_at = hold_at
-
-    def pre_commit(self, positions):
-        if self.hold_at is None:
-            return positions
-        return {tp: min(offset, self.hold_at) for tp, offset in positions.items()}
 
 
 def test_the_runtime_commits_only_what_pre_commit_says_is_written(bootstrap, topic_prefix, step_topic):

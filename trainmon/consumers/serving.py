@@ -28,13 +28,15 @@ log = logging.getLogger("trainmon.consumers")
 def attach(sink: Sink, *, group: str | None = None, topic_prefix: str | None = None,
            env: dict | None = None, stop: threading.Event | None = None,
            retry: RetryPolicy | None = None,
-           consumer_settings: Mapping[str, Any] | None = None) -> SinkRuntime:
+           consumer_settings: Mapping[str, Any] | None = None,
+           open_stream: Callable[..., RecordStream] = RecordStream) -> SinkRuntime:
     """The sink on a runtime over the stream it declares, joined but not yet polled.
     ``group`` and ``consumer_settings`` override the sink's own (a replay's throwaway group,
-    an operator's static member id)."""
+    an operator's static member id). ``open_stream`` takes RecordStream's arguments and
+    returns the stream (a test's ``memory_stream.memory_streams(broker)``)."""
     settings = {**sink.consumer_settings, **(consumer_settings or {})}
-    stream = RecordStream(group or sink.group, sink.kinds, topic_prefix=topic_prefix, env=env,
-                          undecoded_kinds=sink.undecoded_kinds, **settings)
+    stream = open_stream(group or sink.group, sink.kinds, topic_prefix=topic_prefix, env=env,
+                         undecoded_kinds=sink.undecoded_kinds, **settings)
     try:
         # The sink starts here (Sink.start): one restoring its state may fail, and the
         # stream it joined with must then leave its group and free its instance id.

@@ -71,6 +71,18 @@ class RecordStream:
         self.kinds = list(kinds or RECORD_TYPES)
         self.dead_letters = 0
         self._env = env
+        self._dlq: Producer | None = None
+        # Start from the most a message can pack: a first poll too small, never too big.
+        self._records_per_message = float(MAX_RECORDS_PER_MESSAGE)
+        self.topic_names = [topics.topic_for(k, self.prefix) for k in self.kinds]
+        self.consumer = self._join(consumer_settings)
+
+    # The two places the stream meets Kafka (a MemoryRecordStream overrides them):
+    # joining the group, and the producer of dead letters.
+
+    def _join(self, consumer_settings: dict) -> Consumer:
+        """Claim an instance id, create the consumer, make the topics exist, subscribe."""
+        group_id, env = self.group_id, self._env
         # Static membership by default (see .membership): a restarted service gets its
         # partitions back at once. An explicit group_instance_id (None: dynamic) wins.
         if "group_instance_id" in consumer_settings:
@@ -83,10 +95,6 @@ class RecordStream:
         except BaseException:
             self._instance.release()
             raise
-        self._dlq: Producer | None = None
-        # Start from the most a message can pack: a first poll too small, never too big.
-        self._records_per_message = float(MAX_RECORDS_PER_MESSAGE)
-        self.topic_names = [topics.topic_for(k, self.prefix) for k in self.kinds]
         # The topics there, asked once on the consumer's own connection: those missing are
         # created (an admin client of its own costs ~60 ms at every start, measured) and
         # trainmon-looking ones no consumer reads are named.
@@ -100,6 +108,10 @@ class RecordStream:
                  f"static member {self.instance_id}" if self.instance_id else "a dynamic member")
         if existing is not None:
             self._report_uncovered_topics(existing)
+        return self.consumer
+
+    def _dead_letter_producer(self) -> Producer:
+        return Producer(env=self._env)
 
     def _existing_topics(self) -> set[str] | None:
         try:
@@ -190,7 +202,7 @@ class RecordStream:
             log.warning("trainmon: dead-lettering %s[%d]@%d#%d: %s", message.topic,
                         message.partition, message.offset, message.index, error)
         if self._dlq is None:
-            self._dlq = Producer(env=self._env)
+            self._dlq = self._dead_letter_producer()
         body = {
             "consumer": self.group_id,
             "topic": message.topic,

@@ -1,0 +1,80 @@
+"""A sink that keeps what it is given, for the consumer runtime's contract tests (on the
+real broker: test_consumer_runtime.py; in memory: test_consumer_runtime_memory.py)."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime, timezone
+
+from trainmon.consumers import runtime
+from trainmon.schemas import StepRecord, encode
+
+FAST = runtime.RetryPolicy(first_s=0.01, max_s=0.05)
+
+
+def step_values(n: int) -> list[bytes]:
+    return [encode(StepRecord(run_id="rt", rank=0, world_size=1, host="h", time=datetime.now(timezone.utc),
+                              event_id=f"rt-{i}", step=i, epoch=0, step_tokens=1, duration_ms=1,
+                              loss=1, norm=1, lr=1)) for i in range(n)]
+
+
+class ListSink(runtime.Sink):
+    """Keeps what it was given; ``failures`` flushes raise RetriableError first, and
+    ``on_flush`` sees the group's committed offsets at every flush attempt."""
+
+    name = "list sink"
+
+    def __init__(self, failures: int = 0, crash: bool = False, on_flush=None):
+        self.failures, self.crash, self.on_flush = failures, crash, on_flush
+        self.buffered: list = []
+        self.flushed: list = []
+        self.attempts = 0
+        self.opened: list = []
+        self.stopped = False
+
+    def open(self, partitions):
+        self.opened += partitions
+
+    def put(self, messages):
+        self.buffered += messages
+
+    def flush_in_s(self):
+        return 0.0 if self.buffered else None
+
+    def flush(self):
+        self.attempts += 1
+        if self.on_flush:
+            self.on_flush()
+        if self.crash:
+            raise RuntimeError("the sink's disk is gone")
+        if self.failures:
+            self.failures -= 1
+            raise runtime.RetriableError("not now")
+        self.flushed += self.buffered
+        self.buffered = []
+
+    def stop(self):
+        self.stopped = True
+
+
+def until_flushed(sink: ListSink, n: int, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+
+    def done(_runtime) -> bool:
+        assert time.monotonic() < deadline, f"flushed {len(sink.flushed)} of {n}"
+        return len(sink.flushed) >= n
+    return done
+
+
+class HoldingSink(ListSink):
+    """Says everything from offset ``hold_at`` on is not written yet (as a sink writing in
+    the background does until its writes land)."""
+
+    def __init__(self, hold_at: int | None):
+        super().__init__()
+        self.hold_at = hold_at
+
+    def pre_commit(self, positions):
+        if self.hold_at is None:
+            return positions
+        return {tp: min(offset, self.hold_at) for tp, offset in positions.items()}
