@@ -125,6 +125,36 @@ def make_forwarder(tracker, bootstrap, topic_prefix, group, state_dir, **setting
                              env={"TRAINMON_KAFKA_BOOTSTRAP": bootstrap}))
 
 
+def make_memory_forwarder(tracker, broker, topic_prefix, group, state_dir, **settings) -> Forwarding:
+    """make_forwarder over a MemoryBroker (see trainmon.consumers.memory_stream)."""
+    from trainmon.consumers.memory_stream import memory_streams
+
+    sink = ForwardingSink(tracker, ProgressStore(state_dir), linger_ms=20, **settings)
+    sink.poll_s = 0.05
+    return Forwarding(attach(sink, group=group, topic_prefix=topic_prefix, open_stream=memory_streams(broker)))
+
+
+class MemoryProducers:
+    """A make_producer for log_run whose producers send to a MemoryBroker; ``close()``
+    closes them all."""
+
+    def __init__(self, broker, topic_prefix, spill_dir):
+        self.broker, self.topic_prefix, self.spill_dir = broker, topic_prefix, spill_dir
+        self.made = []
+
+    def __call__(self, **overrides):
+        from trainmon.producer import Producer, ProducerConfig
+
+        settings = dict(topic_prefix=self.topic_prefix, run_id="test-run", spill_dir=self.spill_dir, linger_ms=5)
+        producer = Producer(ProducerConfig(**{**settings, **overrides}), transport=self.broker.transport)
+        self.made.append(producer)
+        return producer
+
+    def close(self) -> None:
+        for producer in self.made:
+            producer.close(timeout=5)
+
+
 def drain(forwarder: Forwarding, records: int, timeout: float = 60.0) -> None:
     """Drive the forwarder until it consumed `records` more records, then check no more come."""
     target = forwarder.stats.records + records
