@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from trainmon.producer import worker as worker_module
+from trainmon.producer import encoding as encoding_module
 from trainmon.producer.deferred import DeferredRecord
 from trainmon.schemas import RunRecord, decode, encode
 from trainmon.schemas.jsonsafe import CIRCULAR, TOO_DEEP, json_safe
@@ -49,14 +49,14 @@ def test_odd_config_values_arrive_as_text_and_later_records_still_go(make_produc
 
 
 def test_a_record_that_cannot_be_encoded_is_rejected_alone(make_producer, bootstrap, topic_prefix, monkeypatch):
-    real_encode = worker_module.encode
+    real_encode = encoding_module.encode
 
     def encode_failing_step_3(record):
         if getattr(record, "step", None) == 3:
             raise RuntimeError("cannot encode step 3")
         return real_encode(record)
 
-    monkeypatch.setattr(worker_module, "encode", encode_failing_step_3)
+    monkeypatch.setattr(encoding_module, "encode", encode_failing_step_3)
     # Records of plain numbers are written without pydantic (DeferredRecord.encode).
     real_deferred_encode = DeferredRecord.encode
     def deferred_encode_failing_step_3(record):
@@ -116,8 +116,8 @@ def test_a_config_nested_too_deep_still_decodes(levels):
         cursor = cursor[0]
     record = RunRecord(run_id="r", rank=0, world_size=1, host="h", time=datetime.now(timezone.utc),
                        event_id="e", event="start", config={"deep": deep, "lr": 0.1})
-    safe, value = worker_module.encode_safely(record)
+    safe, value = encoding_module.encode_safely(record)
     assert decode("run", value).config["lr"] == 0.1
     plain = RunRecord(run_id="r", rank=0, world_size=1, host="h", time=record.time, event_id="e",
                       event="start", config={"lr": 0.1})
-    assert worker_module.encode_safely(plain)[1] == encode(plain)
+    assert encoding_module.encode_safely(plain)[1] == encode(plain)

@@ -6,7 +6,7 @@ import pytest
 
 from trainmon import topics
 from trainmon.producer.deferred import DeferredRecord
-from trainmon.producer.worker import pack_messages
+from trainmon.producer.packing import pack_messages
 from trainmon.schemas import MAX_MESSAGE_BYTES, MAX_RECORDS_PER_MESSAGE, RECORD_TYPES, encode, unpack
 
 from .conftest import read_records

@@ -31,6 +31,7 @@ from typing import Any, Callable
 from pydantic import ValidationError
 
 from .. import topics
+from ..filenames import safe_name
 from ..schemas import (AllocatorRecord, CheckpointRecord, DatasetRecord, DiskRecord, EvalRecord,
                        GpuHealthRecord, GpuModelRecord, GpuRecord, LogEventRecord, MoeRecord,
                        Record, RunRecord, StepRecord)
@@ -115,7 +116,7 @@ class Producer:
             def transport(on_undelivered: Undelivered) -> Transport:
                 return make_transport(cfg.client, settings, on_undelivered)
         self._worker = Worker(transport,
-                              cfg.spill_dir, f"{_safe(cfg.run_id)}.{cfg.rank}",
+                              cfg.spill_dir, f"{safe_name(cfg.run_id)}.{cfg.rank}",
                               queue_size=cfg.queue_size, yield_to_caller=cfg.yield_to_caller,
                               linger_s=cfg.linger_ms / 1000, pack_window_s=cfg.pack_window_ms / 1000,
                               observers=observers,
@@ -372,10 +373,6 @@ def _envelope_problem(cfg: ProducerConfig) -> str | None:
             what = "; ".join(f"{e['loc'][0]}={envelope[e['loc'][0]]!r}: {e['msg']}" for e in errors)
             return f"trainmon: this producer is disabled and logs nothing: {what}"
     return None
-
-
-def _safe(text: str) -> str:
-    return "".join(c if c.isalnum() or c in "-_" else "_" for c in text)[:64]
 
 
 def _close_at_exit(ref: "weakref.ref[Producer]") -> None:

@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ...filenames import safe_name
+
 log = logging.getLogger("trainmon.alerts")
 VERSION = 2  # 2: with the partition of each run (version 1 came from rank-keyed records)
 
@@ -37,8 +39,9 @@ def checkpoint_path(state_dir: Path, group_id: str, topic_prefix: str, member: s
     """``member``: the consumer's static instance id (unique in its group). None (a dynamic
     member) shares the group's file."""
     name = f"{group_id}@{topic_prefix}" + (f"@{member}" if member else "")
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
-    return Path(state_dir) / f"{safe}.json"
+    # (Spelled by filenames.safe_name since the state's version 3: an older checkpoint,
+    # under its old name, is rebuilt from the topics as a version 2 one would be.)
+    return Path(state_dir) / f"{safe_name(name)}.json"
 
 
 def save(path: Path, checkpoint: Checkpoint) -> None:

@@ -1,0 +1,197 @@
+"""Handing messages to Kafka and keeping what it does not take: the sender's delivery.
+
+Fresh messages go straight to the transport. What Kafka gives up on (no acknowledgement
+within the delivery timeout: the broker is away), or cannot take at all, goes to the
+backlog (the spill file, a write-ahead log; memory where the disk cannot be written; see
+backlog.py), and from then on newer messages join it behind, in order, until the backlog
+has been sent again and acknowledged. Tries wait out one backoff policy (0.5 s, doubling
+to 5 s). Everything here runs on the sender thread, except :meth:`undelivered`, which
+runs where the client reports failures (inside a serve or flush for librdkafka,
+kafka-python's own thread), and :meth:`keep` from a log call that found the queue full.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+from ..backoff import Backoff
+from ..kafka_client.errors import TransportUnavailable
+from ..kafka_client.transport import Entry, Transport, Undelivered
+from ..schemas import count
+from .backlog import Backlog
+from .spill import SpillFile, claim_orphans
+
+log = logging.getLogger("trainmon.producer")
+
+# Records sent again from the backlog go in batches of about this size; the thread waits
+# for Kafka's answer to each batch (every message fails within the delivery timeout, 5 s,
+# while the broker is away) before the next, and returns to the queue after BACKLOG_TURN_S.
+_BACKLOG_BATCH_BYTES = 8 << 20
+_ANSWERS_WITHIN_S = 10.0
+BACKLOG_TURN_S = 1.0
+
+
+class Delivery:
+    def __init__(self, make_transport: Callable[[Undelivered], Transport], spill_dir, spill_name: str,
+                 memory_bound: int, hand_to_thread: Callable[[list[Entry]], None]):
+        """``hand_to_thread`` takes failures reported while a log call collects Kafka's
+        reports (``serving_for_caller``): the sender thread keeps them, not the log call."""
+        self.spill_dir = spill_dir
+        self.spill = SpillFile(spill_dir, spill_name)
+        # Without a usable spill directory, records wait in memory up to the queue's bound.
+        self.backlog = Backlog(self.spill, memory_bound=memory_bound)
+        self.transport = make_transport(self.undelivered)
+        self._hand_to_thread = hand_to_thread
+        self.serving_for_caller = False
+        self.sent = 0
+        self.dropped = 0  # records that could be kept neither in Kafka, nor on disk, nor in memory
+        self.retry_at = 0.0  # no sends before this monotonic time
+        self._backoff = Backoff(first_s=0.5, max_s=5.0)
+        self._disk_error_reported = False
+        self._drop_reported = False
+
+    def deliver(self, messages: list[Entry]) -> bool:
+        """Send, or keep behind what waits; True when messages left for Kafka now."""
+        if time.monotonic() < self.retry_at:
+            self.keep(messages)
+            return False
+        if self.backlog.records:
+            # Older records wait for Kafka: these go behind them, in order.
+            self.keep(messages)
+            return self.send_backlog(time.monotonic() + BACKLOG_TURN_S) and bool(messages)
+        for i, entry in enumerate(messages):
+            try:
+                self.transport.send(entry)
+            except TransportUnavailable as exc:
+                self.keep(messages[i:])
+                self._unreachable(exc)
+                return False
+            self.sent += count(entry[2])
+        self._backoff.reset()
+        return bool(messages)
+
+    def _unreachable(self, reason: object) -> None:
+        if self._backoff.fresh:
+            log.info("trainmon: Kafka unreachable (%s); keeping records in %s until it returns",
+                     reason, self.spill.path)
+        self.retry_at = time.monotonic() + self._backoff.next()
+
+    def send_backlog(self, until: float, answers_by: float | None = None) -> bool:
+        """Send what waits for Kafka, oldest first, one batch at a time, until it is all
+        acknowledged (True) or Kafka fails one (False: back off) or ``until`` passes.
+
+        A batch stays in the spill file while it is in flight and is dropped from it only
+        once Kafka has answered every message in it (a write-ahead log): a rank killed
+        during the resend keeps it. Waiting for the answers holds the sender thread (not
+        the training loop, whose records queue meanwhile) at most the delivery timeout, or
+        until ``answers_by`` (a flush's deadline). A batch given up on before its answers
+        came is sent again later: a record may reach Kafka twice, never zero times."""
+        while self.backlog.records:
+            batch = self.backlog.peek(_BACKLOG_BATCH_BYTES)
+            failed: list[Entry] = []
+            try:
+                for entry in batch:
+                    self.transport.send(entry, on_undelivered=failed.extend)
+            except TransportUnavailable as exc:
+                self._unreachable(exc)
+                return False  # (what was handed over may still arrive: at worst sent twice)
+            wait = _ANSWERS_WITHIN_S if answers_by is None else answers_by - time.monotonic()
+            if not self.transport.flush(max(0.1, min(_ANSWERS_WITHIN_S, wait))):
+                self._unreachable("no answer from Kafka")  # unanswered: still on disk
+                return False
+            records = sum(count(value) for _, _, value in batch)
+            lost_again = sum(count(value) for _, _, value in failed)
+            if lost_again == records:
+                self._unreachable("Kafka took none of the records sent again")
+                return False
+            if failed:
+                # Kafka took part of the batch: the rest joins the end before the batch
+                # is let go, so it is on disk (or in memory) at every moment.
+                self.keep(failed)
+            self.backlog.acknowledge()
+            self.sent += records - lost_again
+            self._backoff.reset()
+            if time.monotonic() >= until:
+                break
+        return not self.backlog.records
+
+    def undelivered(self, entries: list[Entry]) -> None:
+        """Kafka gave up on these: into the backlog, and no new sends until the backoff
+        has passed, so they are not handed straight back to a client that cannot deliver
+        them. They were counted as sent when handed over."""
+        self.sent -= sum(count(value) for _, _, value in entries)
+        if self.serving_for_caller:
+            self._hand_to_thread(entries)
+        else:
+            self.keep(entries)
+        self.retry_at = max(self.retry_at, time.monotonic() + self._backoff.next())
+
+    def keep(self, entries: list[Entry]) -> bool:
+        """Into the backlog: the spill file, else memory up to the bound; records beyond
+        it are dropped and counted. Each is said once; never an error for the training
+        loop. True when the records are on disk."""
+        if not entries:
+            return True
+        kept = self.backlog.add(entries)
+        if kept.disk_error is not None and not self._disk_error_reported:
+            self._disk_error_reported = True
+            log.error("trainmon: cannot keep records in the spill directory %s (%s): records Kafka "
+                      "has not acknowledged wait in memory instead, up to %d, and a rank killed "
+                      "before Kafka takes them loses them (this is said once)",
+                      self.spill_dir, kept.disk_error, self.backlog.memory_bound)
+        if kept.dropped:
+            self.dropped += kept.dropped
+            if not self._drop_reported:
+                self._drop_reported = True
+                log.error("trainmon: %d records wait in memory for Kafka, the bound: further records "
+                          "Kafka does not take are dropped and counted (this is said once; the count "
+                          "is in the message at exit and in producer.dropped)",
+                          self.backlog.memory_bound)
+        return kept.on_disk
+
+    def adopt_orphans(self) -> None:
+        """Earlier producers' spill files left on this machine: their records join the
+        backlog, and each file is deleted once they are on disk here."""
+        try:
+            claim_orphans(self.spill_dir, self.keep, own=self.spill.path)
+        except OSError as exc:  # an unreadable spill directory: nothing of earlier runs to send
+            log.warning("trainmon: cannot read the spill directory %s: %s", self.spill_dir, exc)
+
+    def flush(self, deadline: float) -> bool:
+        """Everything acknowledged by the deadline (the backlog first)?"""
+        # Keep at it until the deadline, as a large backlog only fits into Kafka as
+        # acknowledgements come.
+        while True:
+            while self.backlog.records and time.monotonic() < deadline:
+                if not self.send_backlog(deadline, answers_by=deadline):
+                    time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+            remaining = deadline - time.monotonic()
+            flushed = remaining > 0 and self.transport.flush(remaining)
+            # Messages Kafka gave up on during that flush are back in the backlog: while
+            # there is time, send them again.
+            if not self.backlog.records or deadline - time.monotonic() < 0.5:
+                break
+        return flushed and not self.backlog.records
+
+    def close(self, timeout: float) -> None:
+        """The client closed (what it still held back in the backlog), the spill file
+        released, and what is lost said."""
+        self.transport.close(timeout=timeout)
+        lost = self.backlog.discard_memory()
+        if lost:
+            self.dropped += lost
+            log.error("trainmon: %d records kept in memory (the spill directory %s could not be "
+                      "written) were not taken by Kafka before exit", lost, self.spill_dir)
+        if self.spill.count:
+            log.warning("trainmon: %d records could not reach Kafka; they are kept in %s and "
+                        "sent by the next trainmon producer that starts", self.spill.count,
+                        self.spill.path)
+        if self.dropped:
+            log.error("trainmon: %d records were dropped: Kafka did not take them and the "
+                      "spill directory %s could not keep them", self.dropped, self.spill_dir)
+        try:
+            self.spill.close()
+        except OSError:
+            pass
