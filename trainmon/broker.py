@@ -1,13 +1,24 @@
-"""A real single-node Apache Kafka broker (KRaft, loopback only) run from Maven jars.
+"""Real Apache Kafka brokers (KRaft) run from Maven jars: one, or a replicated cluster.
 
 There is no Docker engine where trainmon is developed and tested, so the broker's
 classpath is resolved from Maven Central (``infra/kafka/pom.xml``) into a cache
 directory outside git, and the JVM is started directly: ``kafka.Kafka`` as a combined
-broker + controller. ``trainmon broker start|stop|status`` and the test fixture use it.
+broker + controller. ``trainmon broker start|stop|status``, ``trainmon up`` and the test
+fixtures use it.
+
+- :class:`Broker`: one node. On loopback by default, PLAINTEXT (zero set-up on a laptop).
+  Given ``listen`` (an address other hosts reach) and ``secrets`` (stack_security), its
+  client listener is SASL_SSL with SCRAM users and Kafka's ACLs (StandardAuthorizer,
+  nothing allowed without an ACL); the brokers' and controllers' own listeners stay on
+  loopback, with SASL/PLAIN.
+- :class:`Cluster`: ``nodes`` such brokers on one host, each a controller voter: record
+  topics with replication factor 3 and ``min.insync.replicas`` 2, internal topics
+  replicated, no unclean leader election. One broker's crash stops nothing.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import shutil
@@ -18,6 +29,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from .stack_security import SCRAM, StackSecrets
 
 POM = Path(__file__).resolve().parents[1] / "infra" / "kafka" / "pom.xml"
 DEFAULT_PARTITIONS = 4
@@ -47,7 +60,8 @@ def fetch(quiet: bool = True) -> Path:
     tmp = libs.with_name(libs.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     print(f"trainmon: fetching Kafka broker jars from Maven Central into {libs} ...", file=sys.stderr)
-    cmd = ["mvn", "-B", "-f", str(POM), "dependency:copy-dependencies",
+    # -B and style.color=never: no terminal escape codes in a demo's or CI's output.
+    cmd = ["mvn", "-B", "-Dstyle.color=never", "-f", str(POM), "dependency:copy-dependencies",
            "-DincludeScope=runtime", f"-DoutputDirectory={tmp}"]
     if quiet:
         cmd.insert(1, "-q")
@@ -64,10 +78,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _port_open(port: int) -> bool:
+def _port_open(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
+        return s.connect_ex((host, port)) == 0
+
+
+def is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
 
 
 def pid_alive(pid: int) -> bool:
@@ -89,6 +110,15 @@ class Broker:
     controller_port: int = 0
     heap: str = "512m"
     partitions: int = DEFAULT_PARTITIONS
+    listen: str = "127.0.0.1"  # the client listener's address
+    public_host: str | None = None  # the name clients use for it (default: listen)
+    secrets: StackSecrets | None = None  # SASL_SSL, SCRAM users and ACLs; None: PLAINTEXT
+    node_id: int = 1
+    # Every controller voter as (node id, controller port) on loopback; None: this one alone.
+    voters: list[tuple[int, int]] | None = None
+    internal_port: int = 0  # the brokers' own listener (loopback) when secured
+    replication: int = 1  # of record and internal topics (a cluster: 3)
+    cluster_id: str | None = None  # set by a Cluster: every node formatted with the same
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir)
@@ -96,10 +126,17 @@ class Broker:
         # Restarting on the same data dir keeps the same ports: clients reconnect.
         self.port = self.port or state.get("port") or free_port()
         self.controller_port = self.controller_port or state.get("controller_port") or free_port()
+        self.internal_port = self.internal_port or state.get("internal_port") or free_port()
 
     @property
     def bootstrap(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.public_host or self.listen}:{self.port}"
+
+    def client_env(self, user: str = "admin") -> dict[str, str]:
+        """TRAINMON_KAFKA_* settings of a client of this broker logging in as ``user``."""
+        if self.secrets is None:
+            return {"TRAINMON_KAFKA_BOOTSTRAP": self.bootstrap}
+        return self.secrets.client_env(user, self.bootstrap)
 
     @property
     def _state_file(self) -> Path:
@@ -116,33 +153,73 @@ class Broker:
         return pid if pid and pid_alive(pid) else None
 
     def running(self) -> bool:
-        return self.pid() is not None and _port_open(self.port)
+        return self.pid() is not None and _port_open(self.port, self.listen)
 
     def _write_properties(self) -> Path:
+        rf, min_isr = str(self.replication), str(min(2, self.replication))
         props = {
             "process.roles": "broker,controller",
-            "node.id": "1",
-            "listeners": f"PLAINTEXT://127.0.0.1:{self.port},CONTROLLER://127.0.0.1:{self.controller_port}",
-            "advertised.listeners": f"PLAINTEXT://127.0.0.1:{self.port}",
+            "node.id": str(self.node_id),
+            **self._listener_properties(),
             "controller.listener.names": "CONTROLLER",
-            "controller.quorum.bootstrap.servers": f"127.0.0.1:{self.controller_port}",
-            "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
-            "inter.broker.listener.name": "PLAINTEXT",
             "log.dirs": str(self.data_dir / "logs"),
             "num.partitions": str(self.partitions),
             "auto.create.topics.enable": "true",
-            "offsets.topic.replication.factor": "1",
+            "default.replication.factor": rf,
+            "min.insync.replicas": min_isr,
+            "unclean.leader.election.enable": "false",
+            "offsets.topic.replication.factor": rf,
             "offsets.topic.num.partitions": "4",
-            "transaction.state.log.replication.factor": "1",
-            "transaction.state.log.min.isr": "1",
-            "share.coordinator.state.topic.replication.factor": "1",
-            "share.coordinator.state.topic.min.isr": "1",
+            "transaction.state.log.replication.factor": rf,
+            "transaction.state.log.min.isr": min_isr,
+            "share.coordinator.state.topic.replication.factor": rf,
+            "share.coordinator.state.topic.min.isr": min_isr,
             "group.initial.rebalance.delay.ms": "0",
             "log.retention.hours": "-1",
         }
+        if self.voters:
+            props["controller.quorum.voters"] = ",".join(
+                f"{node}@127.0.0.1:{port}" for node, port in self.voters)
+        else:
+            props["controller.quorum.bootstrap.servers"] = f"127.0.0.1:{self.controller_port}"
         path = self.data_dir / "server.properties"
-        path.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
+        # (mode 0600: a secured broker's properties hold the admin password)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write("".join(f"{k}={v}\n" for k, v in props.items()))
         return path
+
+    def _listener_properties(self) -> dict[str, str]:
+        if self.secrets is None:
+            return {
+                "listeners": f"PLAINTEXT://{self.listen}:{self.port},"
+                             f"CONTROLLER://127.0.0.1:{self.controller_port}",
+                "advertised.listeners": f"PLAINTEXT://{self.bootstrap}",
+                "listener.security.protocol.map": "PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT",
+                "inter.broker.listener.name": "PLAINTEXT",
+            }
+        jaas = self.secrets.plain_jaas()
+        return {
+            "listeners": f"EXTERNAL://{self.listen}:{self.port},INTERNAL://127.0.0.1:{self.internal_port},"
+                         f"CONTROLLER://127.0.0.1:{self.controller_port}",
+            "advertised.listeners": f"EXTERNAL://{self.bootstrap},INTERNAL://127.0.0.1:{self.internal_port}",
+            "listener.security.protocol.map": "EXTERNAL:SASL_SSL,INTERNAL:SASL_PLAINTEXT,CONTROLLER:SASL_PLAINTEXT",
+            "inter.broker.listener.name": "INTERNAL",
+            "listener.name.external.sasl.enabled.mechanisms": SCRAM,
+            "listener.name.external.scram-sha-512.sasl.jaas.config":
+                "org.apache.kafka.common.security.scram.ScramLoginModule required;",
+            "listener.name.internal.sasl.enabled.mechanisms": "PLAIN",
+            "listener.name.internal.plain.sasl.jaas.config": jaas,
+            "listener.name.controller.sasl.enabled.mechanisms": "PLAIN",
+            "listener.name.controller.plain.sasl.jaas.config": jaas,
+            "sasl.mechanism.inter.broker.protocol": "PLAIN",
+            "sasl.mechanism.controller.protocol": "PLAIN",
+            "ssl.keystore.type": "PEM",
+            "ssl.keystore.location": str(self.secrets.broker_keystore),
+            "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+            "super.users": "User:admin",
+            "allow.everyone.if.no.acl.found": "false",
+        }
 
     def _java(self, main: str, *args: str, **popen) -> list[str]:
         classpath = os.pathsep.join(str(p) for p in sorted(fetch().glob("*.jar")))
@@ -150,31 +227,41 @@ class Broker:
                 "-Djava.awt.headless=true", "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn",
                 "-cp", classpath, main, *args]
 
-    def start(self, timeout: float = 60.0) -> "Broker":
+    def start(self, timeout: float = 60.0, wait: bool = True) -> "Broker":
         if self.running():
             return self
         self.data_dir.mkdir(parents=True, exist_ok=True)
         props = self._write_properties()
         if not (self.data_dir / "logs" / "meta.properties").exists():
-            cluster_id = subprocess.run(
-                self._java("kafka.tools.StorageTool", "random-uuid"),
-                check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
-            subprocess.run(
-                self._java("kafka.tools.StorageTool", "format", "-t", cluster_id,
-                           "-c", str(props), "--standalone"),
-                check=True, capture_output=True, text=True)
+            self.format(self.cluster_id or new_cluster_id(self), props)
         log = open(self.data_dir / "broker.log", "ab")
         proc = subprocess.Popen(self._java("kafka.Kafka", str(props)), stdout=log, stderr=log,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
         self._state_file.write_text(json.dumps(
-            {"pid": proc.pid, "port": self.port, "controller_port": self.controller_port}))
+            {"pid": proc.pid, "port": self.port, "controller_port": self.controller_port,
+             "internal_port": self.internal_port}))
+        if wait:
+            self.wait_ready(timeout, proc)
+        return self
+
+    def format(self, cluster_id: str, props: Path) -> None:
+        """Format the storage (once), with the SCRAM users when secured."""
+        args = ["--standalone"] if not self.voters else []
+        if self.secrets is not None:
+            args += self.secrets.scram_arguments()
+        done = subprocess.run(self._java("kafka.tools.StorageTool", "format", "-t", cluster_id,
+                                         "-c", str(props), *args), capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"formatting Kafka's storage failed: {done.stdout}{done.stderr}")
+
+    def wait_ready(self, timeout: float, proc: subprocess.Popen | None = None) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if proc.poll() is not None:
+            if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"Kafka broker exited with {proc.returncode}; "
                                    f"see {self.data_dir / 'broker.log'}")
-            if _port_open(self.port) and self._metadata_ready():
-                return self
+            if _port_open(self.port, self.listen) and self._metadata_ready():
+                return
             time.sleep(0.2)
         self.stop()
         raise TimeoutError(f"Kafka broker not ready on {self.bootstrap} after {timeout:.0f}s")
@@ -183,7 +270,7 @@ class Broker:
         from .kafka_client import KafkaError, list_topics
 
         try:
-            list_topics(bootstrap=self.bootstrap, timeout_s=2)
+            list_topics(env=self.client_env(), bootstrap=self.bootstrap, timeout_s=2)
             return True
         except KafkaError:
             return False
@@ -202,13 +289,76 @@ class Broker:
             time.sleep(0.5)
             _reap(pid)
         # The port must be free before a restart on it.
-        while _port_open(self.port) and time.monotonic() < deadline + 10:
+        while _port_open(self.port, self.listen) and time.monotonic() < deadline + 10:
             time.sleep(0.1)
 
     def create_topics(self, names: list[str], partitions: int | None = None) -> None:
         from .kafka_client import create_topics
 
-        create_topics(names, partitions or self.partitions, bootstrap=self.bootstrap)
+        create_topics(names, partitions or self.partitions, env=self.client_env(),
+                      bootstrap=self.bootstrap)
+
+
+def new_cluster_id(broker: Broker) -> str:
+    return subprocess.run(broker._java("kafka.tools.StorageTool", "random-uuid"), check=True,
+                          capture_output=True, text=True).stdout.strip().splitlines()[-1]
+
+
+@dataclass
+class Cluster:
+    """``nodes`` brokers on this host, each also a controller voter, in ``data_dir/node-N``."""
+
+    data_dir: Path
+    nodes: int = 3
+    listen: str = "127.0.0.1"
+    public_host: str | None = None
+    secrets: StackSecrets | None = None
+    heap: str = "512m"
+    partitions: int = DEFAULT_PARTITIONS
+
+    def __post_init__(self) -> None:
+        self.data_dir = Path(self.data_dir)
+        self.brokers = [Broker(self.data_dir / f"node-{i}", heap=self.heap, partitions=self.partitions,
+                               listen=self.listen, public_host=self.public_host,
+                               secrets=self.secrets, node_id=i, replication=min(3, self.nodes))
+                        for i in range(1, self.nodes + 1)]
+        voters = [(b.node_id, b.controller_port) for b in self.brokers]
+        for broker in self.brokers:
+            broker.voters = voters
+
+    @property
+    def bootstrap(self) -> str:
+        return ",".join(b.bootstrap for b in self.brokers)
+
+    def client_env(self, user: str = "admin") -> dict[str, str]:
+        env = self.brokers[0].client_env(user)
+        env["TRAINMON_KAFKA_BOOTSTRAP"] = self.bootstrap
+        return env
+
+    def start(self, timeout: float = 120.0) -> "Cluster":
+        """All nodes started together (a quorum of voters must be up before any is ready)."""
+        cluster_id = None
+        for broker in self.brokers:
+            if not (broker.data_dir / "logs" / "meta.properties").exists():
+                cluster_id = cluster_id or new_cluster_id(broker)
+                broker.cluster_id = cluster_id
+            broker.start(wait=False)
+        for broker in self.brokers:
+            broker.wait_ready(timeout)
+        return self
+
+    def stop(self, timeout: float = 30.0, kill: bool = False) -> None:
+        for broker in self.brokers:
+            broker.stop(timeout, kill)
+
+    def running(self) -> list[bool]:
+        return [b.running() for b in self.brokers]
+
+    def create_topics(self, names: list[str], partitions: int | None = None) -> None:
+        from .kafka_client import create_topics
+
+        create_topics(names, partitions or self.partitions, env=self.client_env(),
+                      bootstrap=self.bootstrap)
 
 
 def _reap(pid: int) -> None:

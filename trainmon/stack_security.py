@@ -1,0 +1,148 @@
+"""What a stack that listens beyond loopback needs: TLS, SCRAM users, and what a job gets.
+
+Off loopback the broker's client listener is SASL_SSL: TLS with a certificate signed by
+the stack's own CA (or one the operator gives with ``--tls-cert/--tls-key/--tls-ca``),
+and SASL/SCRAM-SHA-512 with three users:
+
+- ``admin``: the stack itself (its consumers, topic set-up); the only super user;
+- ``writer``: what a training job gets: may only produce to the record topics;
+- ``reader``: for consumers run elsewhere: may read the topics and use consumer groups.
+
+Everything lives in ``<stack dir>/security`` with mode 0600: the CA (its key never
+leaves), the broker's key and certificate, and the passwords. A job needs the env lines
+:meth:`StackSecrets.client_env` gives and one file, ``ca.pem``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import json
+import os
+import secrets
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+USERS = ("admin", "writer", "reader")
+SCRAM = "SCRAM-SHA-512"
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    """Written with mode 0600 from the start (no moment when others may read it)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(data)
+    os.chmod(path, 0o600)
+
+
+@dataclass
+class StackSecrets:
+    directory: Path
+    passwords: dict[str, str]
+
+    @property
+    def ca_file(self) -> Path:
+        return self.directory / "ca.pem"
+
+    @property
+    def broker_keystore(self) -> Path:
+        """The broker's private key (PKCS#8) and certificate chain, PEM, as Kafka reads it."""
+        return self.directory / "broker.pem"
+
+    @classmethod
+    def ensure(cls, directory: Path, hosts: list[str], tls_cert: Path | None = None,
+               tls_key: Path | None = None, tls_ca: Path | None = None) -> "StackSecrets":
+        """The stack's secrets, made once (kept across restarts: the nodes keep their CA
+        file and passwords)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        os.chmod(directory, 0o700)
+        passwords_file = directory / "passwords.json"
+        if passwords_file.exists():
+            passwords = json.loads(passwords_file.read_text())
+        else:
+            passwords = {user: secrets.token_urlsafe(24) for user in USERS}
+            _write_private(passwords_file, json.dumps(passwords, indent=1).encode())
+        made = cls(directory, passwords)
+        if tls_cert is not None:
+            if tls_key is None or tls_ca is None:
+                raise ValueError("--tls-cert needs --tls-key and --tls-ca")
+            made._take_given(Path(tls_cert), Path(tls_key), Path(tls_ca))
+        elif not made.broker_keystore.exists():
+            made._make_certificates(hosts)
+        return made
+
+    def _take_given(self, cert: Path, key: Path, ca: Path) -> None:
+        from cryptography.hazmat.primitives import serialization
+
+        private = serialization.load_pem_private_key(key.read_bytes(), password=None)
+        pkcs8 = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                      serialization.NoEncryption())
+        _write_private(self.broker_keystore, pkcs8 + cert.read_bytes())
+        shutil.copyfile(ca, self.ca_file)
+
+    def _make_certificates(self, hosts: list[str]) -> None:
+        from cryptography import x509
+        from cryptography.hazmat.primitives import hashes, serialization
+        from cryptography.hazmat.primitives.asymmetric import ec
+        from cryptography.x509.oid import NameOID
+
+        now = datetime.datetime.now(datetime.timezone.utc)
+        ca_key = ec.generate_private_key(ec.SECP256R1())
+        ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "trainmon stack CA")])
+        ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+              .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+              .not_valid_before(now - datetime.timedelta(minutes=5))
+              .not_valid_after(now + datetime.timedelta(days=3650))
+              .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+              .sign(ca_key, hashes.SHA256()))
+        names: list[x509.GeneralName] = []
+        for host in dict.fromkeys([*hosts, "localhost", "127.0.0.1"]):
+            try:
+                names.append(x509.IPAddress(ipaddress.ip_address(host)))
+            except ValueError:
+                names.append(x509.DNSName(host))
+        key = ec.generate_private_key(ec.SECP256R1())
+        cert = (x509.CertificateBuilder()
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hosts[0])]))
+                .issuer_name(ca_name).public_key(key.public_key())
+                .serial_number(x509.random_serial_number())
+                .not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=825))
+                .add_extension(x509.SubjectAlternativeName(names), critical=False)
+                .sign(ca_key, hashes.SHA256()))
+        pem = serialization.Encoding.PEM
+        _write_private(self.directory / "ca.key", ca_key.private_bytes(
+            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+        self.ca_file.write_bytes(ca.public_bytes(pem))  # (public: the file the nodes get)
+        _write_private(self.broker_keystore, key.private_bytes(
+            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+            + cert.public_bytes(pem) + ca.public_bytes(pem))
+
+    def client_env(self, user: str, bootstrap: str, ca_file: str | None = None) -> dict[str, str]:
+        """The TRAINMON_KAFKA_* settings of a client logging in as ``user``; ``ca_file``:
+        where the CA file is on the client's machine (default: here)."""
+        return {
+            "TRAINMON_KAFKA_BOOTSTRAP": bootstrap,
+            "TRAINMON_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+            "TRAINMON_KAFKA_SASL_MECHANISM": SCRAM,
+            "TRAINMON_KAFKA_SASL_USERNAME": user,
+            "TRAINMON_KAFKA_SASL_PASSWORD": self.passwords[user],
+            "TRAINMON_KAFKA_SSL_CAFILE": ca_file or str(self.ca_file),
+        }
+
+    def scram_arguments(self) -> list[str]:
+        """``kafka-storage format`` arguments creating the SCRAM users with the storage."""
+        args = []
+        for user in USERS:
+            args += ["--add-scram", f"{SCRAM}=[name={user},password={self.passwords[user]}]"]
+        return args
+
+    def plain_jaas(self) -> str:
+        """The brokers' own logins to each other and to the controllers (SASL/PLAIN, on
+        loopback): SCRAM's credentials live in the metadata the controllers serve, so
+        they cannot secure the way to it."""
+        admin = self.passwords["admin"]
+        return ("org.apache.kafka.common.security.plain.PlainLoginModule required "
+                f'username="admin" password="{admin}" user_admin="{admin}";')
