@@ -1,5 +1,11 @@
 """Shared fixtures: one real Kafka broker per test session, producers that clean up,
-and a helper that reads topics back with a plain consumer (no group, no commits)."""
+and a helper that reads topics back with a plain consumer (no group, no commits).
+
+Tests that need a real broker are marked ``kafka`` here, by the fixtures they use; those
+that start a broker of their own (``own_broker``, the stack's modules) also ``slow``; a
+test that starts one otherwise carries the marks itself. ``pytest -m "not kafka"`` runs the
+rest: in memory (MemoryBroker, MemoryRecordStream) or with no Kafka at all.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +20,23 @@ from trainmon.broker import Broker
 from trainmon.kafka_client import Consumer, Producer as RawProducer, TopicPartition
 from trainmon.producer import Producer, ProducerConfig
 from trainmon.schemas import decode, unpack
+
+
+# Fixtures that mean a real broker: the session's, or one a test starts for itself.
+SHARED_BROKER_FIXTURES = frozenset({"kafka_broker", "bootstrap"})
+OWN_BROKER_FIXTURES = frozenset({"own_broker"})
+# Modules whose tests start the whole stack, broker included, as subprocesses.
+STACK_MODULES = frozenset({"test_stack.py", "test_demo.py"})
+
+
+def pytest_collection_modifyitems(items) -> None:
+    for item in items:
+        fixtures = set(item.fixturenames)  # with those the test's fixtures use in turn
+        own_broker = bool(fixtures & OWN_BROKER_FIXTURES) or item.path.name in STACK_MODULES
+        if own_broker or fixtures & SHARED_BROKER_FIXTURES:
+            item.add_marker(pytest.mark.kafka)
+        if own_broker:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from trainmon.broker import free_port
 from trainmon.cli import DELEGATED, STACK_ACTIONS
 
@@ -29,6 +31,8 @@ def test_help_lists_every_command_with_what_it_does():
         assert line and len(line.group(1).split()) >= 3, (command, text)
 
 
+@pytest.mark.kafka
+@pytest.mark.slow
 def test_broker_status_finds_a_broker_by_its_data_directory(tmp_path):
     data = tmp_path / "broker"
     port = free_port()

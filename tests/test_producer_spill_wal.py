@@ -112,6 +112,8 @@ def test_rank_killed_while_its_spill_is_resent_loses_only_its_last_seconds(own_b
     assert set(stored.values()) == {1}, "a record is in ClickHouse twice"
 
 
+@pytest.mark.kafka
+@pytest.mark.slow
 def test_unwritable_spill_keeps_records_in_memory_until_a_late_broker_comes(tmp_path, caplog):
     prefix, run_id = "late.", "no-disk-late-broker"
     blocker = tmp_path / "not-a-directory"
