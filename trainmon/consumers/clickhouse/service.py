@@ -26,7 +26,7 @@ from ..serving import add_exit_when_idle_argument, serve
 from .client import EngineBusy, Target, connect, connect_when_free
 from .schema_setup import create_all
 from .loader import ClickHouseSink
-from .sql_endpoint import SqlEndpoint
+from .sql_endpoint import DEFAULT_LISTEN, SqlEndpoint, listen_problem
 
 log = logging.getLogger("trainmon.clickhouse")
 
@@ -75,15 +75,32 @@ def insert_clients(target: Target, count: int):
             client.close()
 
 
+def add_endpoint_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--listen", default=os.environ.get("TRAINMON_SQL_LISTEN") or DEFAULT_LISTEN,
+                        help="where the SQL endpoint (ClickHouse's HTTP interface on chDB) listens: "
+                             "HOST or HOST:PORT (default: $TRAINMON_SQL_LISTEN or 127.0.0.1, any "
+                             "free port); beyond loopback it needs --tls-cert and --tls-key")
+    parser.add_argument("--tls-cert", default=os.environ.get("TRAINMON_SQL_TLS_CERT"),
+                        help="PEM certificate for HTTPS on the SQL endpoint ($TRAINMON_SQL_TLS_CERT)")
+    parser.add_argument("--tls-key", default=os.environ.get("TRAINMON_SQL_TLS_KEY"),
+                        help="its private key ($TRAINMON_SQL_TLS_KEY)")
+
+
 @contextmanager
-def sql_endpoint_for(target: Target, enabled: bool = True):
+def sql_endpoint_for(target: Target, enabled: bool = True, listen: str | None = None,
+                     tls_cert: str | None = None, tls_key: str | None = None):
     """While the block runs, other processes can query an embedded target."""
     if not (enabled and target.embedded):
         yield None
         return
     client = connect(target)
     client.database = target.database  # so people can write FROM step
-    endpoint = SqlEndpoint(client, target.path).start()
+    try:
+        endpoint = SqlEndpoint(client, target.path, listen=listen, database=target.database,
+                               tls_cert=tls_cert, tls_key=tls_key).start()
+    except BaseException:
+        client.close()
+        raise
     try:
         yield endpoint
     finally:
@@ -122,10 +139,16 @@ def main(argv: list[str] | None = None) -> int:
                              "-2, -3 ... for more processes of the group on this host)")
     parser.add_argument("--no-sql-endpoint", action="store_true",
                         help="do not answer SQL for other processes")
+    add_endpoint_arguments(parser)
     add_exit_when_idle_argument(parser)
     args = parser.parse_args(argv)
     configure_logging()
     target = target_from(args)
+    if target.embedded and not args.no_sql_endpoint:
+        problem = listen_problem(args.listen, args.tls_cert, args.tls_key)
+        if problem:
+            log.error("%s", problem)
+            return 2
     stop = stop_on_signals()
     try:
         client = connect_when_free(target)
@@ -137,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         create_all(client, target.database)
-        with sql_endpoint_for(target, not args.no_sql_endpoint), \
+        with sql_endpoint_for(target, not args.no_sql_endpoint, args.listen, args.tls_cert,
+                              args.tls_key), \
                 insert_clients(target, args.insert_threads) as inserting:
             freeze_start_up_objects()
             log.info("loading from %s into %s", bootstrap_servers(), target.describe())
