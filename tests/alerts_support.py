@@ -21,6 +21,8 @@ from trainmon.consumers.alerts.service import AlertService
 from trainmon.schemas import (CheckpointRecord, DiskRecord, EvalRecord, GpuHealthRecord, GpuRecord,
                               LogEventRecord, MoeRecord, Record, RunRecord, StepRecord)
 
+from .waiting import wait_until
+
 UTC = timezone.utc
 Mutate = Callable[[int, int, dict, dict, dict], None]  # step, rank, step/gpu/moe fields
 
@@ -203,12 +205,9 @@ class BackgroundService:
 
 def wait_for(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "condition",
              details: Callable[[], str] | None = None) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}" + (f": {details()}" if details else ""))
+    # Looks every 0.2 s: the service runs in this process, and polling it faster takes
+    # the GIL from it.
+    wait_until(predicate, timeout, what, pause=0.2, details=details)
 
 
 def t0_now(steps: int = 80, dt: float = 1.0) -> float:

@@ -18,6 +18,8 @@ import pytest
 from trainmon.consumers.clickhouse.cli import OUTPUT_SETTINGS
 from trainmon.consumers.clickhouse.sql_endpoint import find_endpoint, query_endpoint
 
+from .waiting import wait_until
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -106,12 +108,16 @@ class ClickHouseService:
                              f"{self.log.read_text()[-3000:]}")
 
     def wait_for_log(self, condition, timeout: float = 60.0) -> str:
-        """Wait until ``condition(log text)`` holds; return the log."""
-        deadline = time.monotonic() + timeout
-        while not condition(log := self.log.read_text()):
-            assert time.monotonic() < deadline, log[-3000:]
-            time.sleep(0.1)
-        return log
+        """Wait until ``condition(log text)`` holds; return the log as it was then."""
+        seen = ""
+
+        def holds() -> bool:
+            nonlocal seen
+            seen = self.log.read_text()
+            return condition(seen)
+
+        wait_until(holds, timeout, "the service's log", pause=0.1, details=lambda: seen[-3000:])
+        return seen
 
     def stop(self, timeout: float = 60.0) -> int:
         if self.proc is None:

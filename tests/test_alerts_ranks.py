@@ -13,6 +13,13 @@ def alerts_on_topic(bootstrap, prefix, expected, timeout):
     return read_records(bootstrap, prefix, "alert", expected, timeout=timeout)
 
 
+def wait_for_ticks(bg: BackgroundService, ticks: int) -> None:
+    """Until the service has judged silences ``ticks`` more times (it ticks every poll_s
+    once caught up): a time to fire it had, however busy the machine."""
+    target = bg.service.ticks + ticks
+    wait_for(lambda: bg.service.ticks >= target, what=f"{ticks} more ticks", details=bg.describe)
+
+
 def test_rank_that_stops_fires_one_mismatch_naming_it_and_resolves_when_it_catches_up(
         bootstrap, topic_prefix, make_producer, tmp_path):
     env = service_env(bootstrap, rank_mismatch_grace_s=10)
@@ -23,12 +30,12 @@ def test_rank_that_stops_fires_one_mismatch_naming_it_and_resolves_when_it_catch
         send(producer, synthetic_run("mm", t0=t0, ranks=8, steps=61, stop_rank_at={3: 40}, end=False))
         # Waiting on the service's own count keeps this process from churning Kafka clients.
         wait_for(lambda: bg.service.stats["alerts"] >= 1, what="the mismatch alert", details=bg.describe)
-        time.sleep(2)  # the service keeps ticking: it must not fire again
+        wait_for_ticks(bg, 10)  # the service keeps judging (~2 s): it must not fire again
         # Rank 3 catches up: steps 41..60, later in record time than the others'.
         send(producer, synthetic_run("mm", t0=t0 + 20, ranks=8, steps=61, first_step=41, only_ranks={3},
                                      end=False))
         wait_for(lambda: bg.service.stats["alerts"] >= 2, what="the resolution", details=bg.describe)
-        time.sleep(1)
+        wait_for_ticks(bg, 5)  # and nothing after the resolution
     alerts = alerts_on_topic(bootstrap, topic_prefix, expected=2, timeout=30)
     assert [(a.rule, a.state) for a in alerts] == [("rank_mismatch", "firing"), ("rank_mismatch", "resolved")]
     firing, resolved = alerts

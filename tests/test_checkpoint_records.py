@@ -30,15 +30,9 @@ from trainmon.producer.disk import DiskSampler, disk_fields, measured_path
 from .clickhouse_service import ClickHouseService, trainmon_env
 from .clickhouse_service import kill_leftover_services  # noqa: F401 (autouse fixture)
 from .ingest_support import LOGS, ingest, of_kind, raw_lines
+from .waiting import wait_until
 
 GIB = 2**30
-
-
-def wait_until(condition, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 # -- end to end: producer -> Kafka -> ClickHouse ---------------------------------------------

@@ -142,26 +142,25 @@ def test_a_backlogs_last_batch_goes_in_once_read_not_after_the_batch_wait(bootst
         assert service.stop() == 0
 
 
-def test_sigterm_writes_the_last_batch_and_commits(kafka_broker, bootstrap, topic_prefix, make_producer,
-                                                   tmp_path):
+def test_sigterm_writes_the_last_batch_and_commits(kafka_broker, bootstrap, topic_prefix, tmp_path):
     # All topics exist up front: no rebalance (which writes buffered rows) during the test.
     kafka_broker.create_topics(topics.all_topics(topic_prefix))
-    producer = make_producer()
-    for step in range(50):
-        producer.log_step(step, step_tokens=10, duration_ms=5, loss=1.0, norm=1.0, lr=1e-3)
-    assert producer.flush(30)
+    step_topic = topics.topic_for("step", topic_prefix)
+    # One Kafka message: its records are handed out together, so "receiving records" in
+    # the service's log means all 50 are in its buffer.
+    records = [encode(StepRecord(**envelope(i, rank=0), step=i, epoch=0, step_tokens=10, duration_ms=5,
+                                 loss=1.0, norm=1.0, lr=1e-3)) for i in range(50)]
+    send_raw(bootstrap, [(step_topic, b"rt-run/0", pack(records), 0)])
     # A long batch interval: only the SIGTERM path can write these rows.
     service = ClickHouseService(bootstrap, topic_prefix, tmp_path / "chdb", tmp_path / "svc.log")
     service.start("--batch-ms", "600000")
     service.wait_for_log(lambda log: "receiving records" in log)  # polled into its buffer
-    time.sleep(0.5)
     assert service.value("SELECT count() FROM trainmon.step") == 0
     assert service.stop() == 0
     assert service.value("SELECT count() FROM trainmon.step") == 50
 
-    topic = topics.topic_for("step", topic_prefix)
-    committed = committed_offsets(bootstrap, f"{topic_prefix}clickhouse", topic)
-    assert {p: o or 0 for p, o in committed.items()} == end_offsets(bootstrap, topic)
+    committed = committed_offsets(bootstrap, f"{topic_prefix}clickhouse", step_topic)
+    assert {p: o or 0 for p, o in committed.items()} == end_offsets(bootstrap, step_topic)
 
 
 def test_a_rebalance_with_rows_buffered_writes_each_once(kafka_broker, bootstrap, topic_prefix, tmp_path):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import time
 from types import SimpleNamespace
 
 import pynvml
@@ -19,6 +18,8 @@ from trainmon.integrations.nvml import (GpuSampler, NvmlReading, XidEvents, coll
                                         nvlink_errors, nvml_value, read_health, remapped_rows,
                                         retired_pages)
 from trainmon.schemas import GpuHealthRecord, encode
+
+from .waiting import wait_until
 
 ENVELOPE = dict(run_id="r", rank=0, world_size=1, host="h", time="2025-01-01T00:00:00Z", event_id="e")
 
@@ -325,10 +326,7 @@ def test_a_failing_health_read_is_said_once_and_gpu_sampling_goes_on(caplog):
 
     sampler = GpuSampler(producer, interval_s=0.01, health_interval_s=0.01,
                          reader=lambda: [READING], health_reader=broken).start()
-    deadline = time.monotonic() + 10
-    while producer.gpu < 5:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: producer.gpu >= 5, 10, "five GPU samples")
     sampler.stop()
     said = [r for r in caplog.records if "GPU health sampling failed" in r.getMessage()]
     assert len(said) == 1 and "NVML went away" in said[0].getMessage()
@@ -343,10 +341,8 @@ def test_the_sampler_thread_sends_health_records_through_the_broker(make_produce
                          health_reader=lambda: [dict(h) for h in HEALTH], xid_events=xids)
     sampler.set_step(42)
     sampler.start()
-    deadline = time.monotonic() + 10
-    while sampler.health_samples < 1 or sampler.samples < 3:
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: sampler.health_samples >= 1 and sampler.samples >= 3, 10,
+               "a health sample and three others")
     sampler.stop()
     assert producer.flush(30)
     records = read_records(bootstrap, topic_prefix, "gpu_health", 2)

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
-
 
 from tests.conftest import read_records
 from trainmon.integrations.nvml import (GpuSampler, NvmlReading, _own_device, cuda_version_text,
                                         gpu_fields, throttle_text)
 from trainmon.schemas import GpuRecord
+
+from .waiting import wait_until
 
 READING = NvmlReading(index=3, clock_mhz=1755, max_clock_mhz=1980, power_mw=612_345,
                       power_limit_mw=700_000, temperature_c=78, slowdown_temperature_c=87,
@@ -86,23 +86,16 @@ def test_interval_zero_turns_telemetry_off(make_producer, caplog):
     assert "TRAINMON_GPU_INTERVAL_S=0" in caplog.text
 
 
-def wait_for(condition, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 def test_sampler_sends_records_tagged_with_the_latest_step(make_producer, bootstrap, topic_prefix):
     producer = make_producer(strict=True)
     sampler = GpuSampler(producer, interval_s=0.05, reader=lambda: [READING])
     sampler.set_step(7)
     sampler.start()
     assert sampler.enabled
-    wait_for(lambda: sampler.samples >= 1)
+    wait_until(lambda: sampler.samples >= 1)
     sampler.set_step(8)
     seen = sampler.samples
-    wait_for(lambda: sampler.samples >= seen + 2)
+    wait_until(lambda: sampler.samples >= seen + 2)
     sampler.stop()
     assert producer.flush(30)
 
@@ -121,7 +114,7 @@ def test_a_failing_read_is_reported_once_and_sampling_goes_on(make_producer, cap
         raise RuntimeError("GPU has fallen off the bus")
 
     sampler = GpuSampler(make_producer(), interval_s=0.01, reader=reader).start()
-    wait_for(lambda: len(calls) >= 3)
+    wait_until(lambda: len(calls) >= 3)
     sampler.stop()
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "fallen off the bus" in warnings[0].getMessage()

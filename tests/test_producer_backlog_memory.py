@@ -7,20 +7,13 @@ from __future__ import annotations
 
 import fcntl
 import os
-import time
 
 from trainmon.kafka_client.memory_transport import MemoryBroker
 from trainmon.producer import Producer, ProducerConfig
 from trainmon.producer.spill import SpillFile, claim_orphans
 from trainmon.schemas import count, pack, unpack
 
-
-def wait_until(condition, timeout: float = 10.0, what: str = "the condition"):
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
-    return value
+from .waiting import wait_until
 
 
 def entry(*records: str) -> tuple[str, bytes, bytes]:

@@ -11,6 +11,7 @@ from trainmon.broker import Broker, free_port
 from trainmon.producer import Producer, ProducerConfig
 
 from .conftest import read_records
+from .waiting import wait_until
 
 # Round trips and outages on both transports: librdkafka and the kafka-python fallback.
 pytestmark = pytest.mark.usefixtures("both_clients")
@@ -44,9 +45,7 @@ def test_broker_late_then_gone_for_10s_loses_nothing(own_broker, tmp_path):
         assert producer.log_step(step, **step_fields(step))
         assert time.perf_counter() - started < 0.05
         logged += 1
-    deadline = time.monotonic() + 30
-    while producer.spilled < 50 and time.monotonic() < deadline:
-        time.sleep(0.2)
+    wait_until(lambda: producer.spilled >= 50, 30, "the records in the spill file", pause=0.2)
     assert producer.spilled == 50, "records should be waiting in the spill file"
 
     own_broker.start()
@@ -108,9 +107,9 @@ def test_records_kafka_gives_up_on_are_spilled_and_sent_later(own_broker, tmp_pa
     own_broker.stop()
     for step in range(1, 31):
         first.log_step(step, **step_fields(step))
-    deadline = time.monotonic() + 4  # within the 5 s delivery timeout
-    while first._worker.sent < 31 and time.monotonic() < deadline:
-        time.sleep(0.02)  # the worker hands them to the client, whose metadata is still cached
+    # The worker hands them to the client, whose metadata is still cached; within 4 s,
+    # inside the 5 s delivery timeout.
+    wait_until(lambda: first._worker.sent >= 31, 4, "the records handed to the client", pause=0.02)
     assert first._worker.sent == 31 and first.spilled == 0
     assert not first.close(timeout=2)
     assert first.spilled == 30, "aborted batches should be spilled, record by record counted"

@@ -21,6 +21,7 @@ from trainmon.producer.spill import SUFFIX, _load
 from trainmon.schemas import count
 
 from .clickhouse_service import REPO, ClickHouseService, trainmon_env
+from .waiting import wait_until
 
 pytestmark = pytest.mark.usefixtures("both_clients")
 
@@ -34,14 +35,6 @@ def own_broker(tmp_path):
     broker = Broker(tmp_path / "kafka", port=free_port()).start()
     yield broker
     broker.stop(kill=True)
-
-
-def wait_until(condition, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
-    return value
 
 
 def spilled_records(directory: Path) -> int:
@@ -70,7 +63,7 @@ def test_rank_killed_while_its_spill_is_resent_loses_only_its_last_seconds(own_b
         own_broker.stop(kill=True)
         outage_at = time.time()
         # Well into the outage: the spill file holds 20 s of records (50 steps/s) ...
-        wait_until(lambda: spilled_records(spill) >= 1000, 90, "20 s of records in the spill file")
+        wait_until(lambda: spilled_records(spill) >= 1000, 90, "20 s of records in the spill file", pause=0.1)
         # ... and the next time the sender hands spilled records to Kafka again, it is held
         # there (see spill_kill_child) and killed.
         arm.touch()
