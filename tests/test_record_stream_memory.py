@@ -1,0 +1,63 @@
+"""RecordStream's own contract in memory (MemoryRecordStream over a MemoryBroker): a poll
+keeps to its record budget whatever the packing, and whatever decoding raises for one
+record costs that record only, dead-lettered with where it was. test_record_stream.py and
+test_poison_nesting.py show the same on the real broker."""
+
+from __future__ import annotations
+
+import json
+
+from trainmon import topics
+from trainmon.consumers import stream as stream_module
+from trainmon.consumers.memory_stream import MemoryRecordStream
+from trainmon.kafka_client.memory_transport import MemoryBroker
+from trainmon.schemas import MAX_RECORDS_PER_MESSAGE, encode, pack
+
+from .test_poison_nesting import good_step
+from .test_record_stream import steps
+
+PREFIX = "mem."
+STEP = topics.topic_for("step", PREFIX)
+
+
+def test_polls_keep_to_their_record_budget_over_packed_and_single_messages():
+    broker = MemoryBroker()
+    packed = steps(0, 6 * MAX_RECORDS_PER_MESSAGE)
+    for i in range(0, len(packed), MAX_RECORDS_PER_MESSAGE):
+        broker.append(STEP, b"rs/0", pack(packed[i:i + MAX_RECORDS_PER_MESSAGE]))
+    for value in steps(len(packed), 50):  # then a trickle
+        broker.append(STEP, b"rs/0", value)
+
+    stream = MemoryRecordStream(broker, "rs", ["step"], topic_prefix=PREFIX)
+    received, sizes = [], []
+    while len(received) < len(packed) + 50:
+        batch = stream.poll(timeout_ms=100, max_records=1000)
+        assert len(sizes) < 200, f"stuck after {len(received)} records: {sizes}"
+        sizes.append(len(batch))
+        received += batch
+    stream.close()
+    assert [m.record.step for m in received] == list(range(len(packed) + 50))
+    assert max(sizes) <= 1000, sizes
+    # The trickle is not read two messages a poll: the budget follows the packing.
+    assert len([s for s in sizes if s]) <= 6 * MAX_RECORDS_PER_MESSAGE // 1000 + 3, sizes
+    assert {(m.offset, m.index) for m in received[:2]} == {(0, 0), (0, 1)}
+
+
+def test_any_exception_while_decoding_dead_letters_that_record_only(monkeypatch):
+    real_decode = stream_module.decode
+
+    def flaky(kind, value):
+        if b'"step":1,' in value:
+            raise RuntimeError("boom")
+        return real_decode(kind, value)
+
+    monkeypatch.setattr(stream_module, "decode", flaky)
+    broker = MemoryBroker()
+    broker.append(STEP, b"k", pack([encode(good_step(i)) for i in range(3)]))
+    stream = MemoryRecordStream(broker, "deep", ["step"], topic_prefix=PREFIX)
+    got = stream.poll(timeout_ms=100)
+    stream.commit_polled()
+    stream.close()
+    assert [m.record.step for m in got] == [0, 2]
+    [letter] = [json.loads(v) for v in broker.values(topics.topic_for(topics.DEADLETTER, PREFIX))]
+    assert letter["index"] == 1 and "RuntimeError: boom" in letter["error"]
