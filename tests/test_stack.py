@@ -1,7 +1,8 @@
 """`trainmon up` as a user would run it: the broker and the supervised consumers start, a
 2-rank torchrun job configured by the printed env line alone lands in ClickHouse, a
 consumer killed with -9 is back within 10 s and nothing is lost or written twice, `trainmon
-report` writes the run's plots, `trainmon down` stops every process."""
+report` writes the run's plots, `trainmon down` stops every process; `trainmon down` takes at
+most 10 s and keeps every record logged before it; `trainmon up --help` shows up's options."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import sys
 import time
 from pathlib import Path
 
+from trainmon import stack as stack_module
 from trainmon.broker import free_port
+from trainmon.consumers.clickhouse.sql_endpoint import find_endpoint
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 40
@@ -126,10 +129,78 @@ def test_up_job_kill_report_down(tmp_path):
         assert "trainmon report: up-run" in html and html.count("<img src='data:image/png;base64,") >= 2
     finally:
         before = json.loads((stack / "status.json").read_text()) if (stack / "status.json").exists() else None
+        down_started = time.monotonic()
         down = trainmon("down", "--dir", str(stack))
     assert down.returncode == 0, down.stderr
     assert before is not None
     pids = [before["supervisor"], *(c["pid"] for c in before["services"].values())]
     wait_for("every process gone", lambda: not any(alive(p) for p in pids), 30)
+    took = time.monotonic() - down_started
+    assert took <= 10, f"trainmon down took {took:.1f} s"
     assert trainmon("status", "--dir", str(stack)).returncode == 1
     assert re.search(r"^kafka +stopped", trainmon("status", "--dir", str(stack)).stdout, re.M)
+
+
+def gone(pid: int) -> bool:
+    """Exited: no such process, or a zombie -- reaped here when it is this process's child
+    (signal 0 still reaches a zombie, so it alone cannot tell)."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat[stat.rfind(")") + 2:].startswith("Z")
+
+
+def test_down_within_10_s_keeps_what_was_logged(tmp_path):
+    """`up` and `down` in this process, as `trainmon demo` runs them: the supervisor (and the
+    broker) are this process's children, and a child that exits stays a zombie until
+    reaped -- `down` used to wait its whole 90 s timeout for the supervisor's zombie. A
+    job's records, then `down` at once: within 10 s every process is gone, and every record
+    is in ClickHouse. (`trainmon down` from another shell: test_up_job_kill_report_down.)"""
+    stack_dir = tmp_path / "stack"
+    assert stack_module.up(stack_dir, free_port(), [], None, announce=False) == 0
+    before = status(stack_dir)
+    broker_pid = stack_module.broker_of(stack_dir).pid()
+    try:
+        env = job_env(stack_module.env_line(stack_module.broker_of(stack_dir).bootstrap, stack_dir), tmp_path,
+                      TRAINMON_RUN_ID="down-run")
+        script = tmp_path / "job.py"
+        script.write_text(JOB)
+
+        def job(phase: str) -> None:
+            done = subprocess.run([sys.executable, str(script)], env={**env, "PHASE": phase},
+                                  capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr[-3000:]
+
+        # `up` returns once the services run; the ClickHouse consumer answers SQL a little later.
+        wait_for("the ClickHouse consumer answering SQL",
+                 lambda: find_endpoint(stack_dir / "clickhouse") is not None, 60)
+        job("a")  # the consumer is loading: phase a reaches ClickHouse while the stack runs
+        steps = "SELECT count() FROM step WHERE run_id = 'down-run'"
+        wait_for("phase a in ClickHouse", lambda: sql(env, steps) == str(STEPS), 60)
+        job("b")  # acknowledged by Kafka when the job returns; `down` follows at once
+    finally:
+        started = time.monotonic()
+        stack_module.down(stack_dir, announce=False)  # what `trainmon down` and the demo run
+    pids = [before["supervisor"], *(s["pid"] for s in before["services"].values()), broker_pid]
+    wait_for("every process gone", lambda: all(gone(pid) for pid in pids),
+             max(0.0, 10 - (time.monotonic() - started)))
+    took = time.monotonic() - started
+    assert took <= 10, f"trainmon down took {took:.1f} s"
+    # The directory is free again: `trainmon sql` opens it itself.
+    assert sql(env, "SELECT count(), uniqExact(event_id), uniqExact(step) FROM step "
+                    "WHERE run_id = 'down-run'") == "\t".join([str(2 * STEPS)] * 3)
+    assert sql(env, "SELECT count() FROM eval WHERE run_id = 'down-run'") == str(2 * STEPS // 10)
+
+
+def test_up_help_shows_only_ups_options():
+    shown = trainmon("up", "--help")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("usage: trainmon up ")
+    assert "--with" in shown.stdout and "--ui" in shown.stdout
+    for other in ("status", "logs", "down", "--lines", "--follow"):
+        assert other not in shown.stdout, (other, shown.stdout)

@@ -35,6 +35,11 @@ from .broker import Broker, cache_dir, pid_alive
 from .consumers import registry
 
 RESTART_MIN_S, RESTART_MAX_S, HEALTHY_AFTER_S = 1.0, 30.0, 60.0
+# How long a stopping service may take to write what it holds, all services together; one
+# still running then is killed (its uncommitted records are read again at the next start).
+# `down` waits a little longer than that for the supervisor before acting itself.
+STOP_GRACE_S = 30.0
+DOWN_TIMEOUT_S = STOP_GRACE_S + 15.0
 # The consumers it runs, from the one list of them (consumers/registry.py).
 ALWAYS = tuple(c.name for c in registry.CONSUMERS if c.always_up)
 ON_REQUEST = tuple(c.name for c in registry.CONSUMERS if not c.always_up)
@@ -109,16 +114,25 @@ class Supervisor:
             except Exception as exc:  # a full disk, a vanished directory: keep supervising
                 self._say(f"{exc!r}")
             self.stop.wait(0.2)
-        for child in self.children:
-            if child.proc is not None and child.proc.poll() is None:
-                child.proc.terminate()  # each service commits what it wrote, then exits
-        for child in self.children:
-            if child.proc is not None:
-                try:
-                    child.proc.wait(60)
-                except subprocess.TimeoutExpired:
-                    child.proc.kill()
+        self._stop_children()
         (self.stack / "status.json").unlink(missing_ok=True)
+
+    def _stop_children(self) -> None:
+        """SIGTERM to every service at once (each writes and commits what it holds, then
+        exits), then wait for all of them within one shared grace period."""
+        started = time.monotonic()
+        running = [c for c in self.children if c.proc is not None and c.proc.poll() is None]
+        for child in running:
+            child.proc.terminate()
+        deadline = started + STOP_GRACE_S
+        for child in running:
+            try:
+                code = child.proc.wait(max(0.0, deadline - time.monotonic()))
+                self._say(f"{child.service.name} stopped (exit {code}) after {time.monotonic() - started:.1f} s")
+            except subprocess.TimeoutExpired:
+                child.proc.kill()
+                child.proc.wait()
+                self._say(f"{child.service.name} did not stop within {STOP_GRACE_S:.0f} s; killed")
 
     @staticmethod
     def _say(text: str) -> None:
@@ -169,7 +183,25 @@ def read_status(stack: Path) -> dict | None:
 
 
 def _alive(pid: int | None) -> bool:
-    return pid is not None and pid_alive(pid)
+    """Running: not gone and not a zombie. A supervisor started by ``up`` in this very
+    process (the demo does that) is this process's child: once it exits it stays a zombie,
+    which signal 0 still reaches, until reaped -- here, or by nobody before ``down`` gave up."""
+    if pid is None:
+        return False
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:  # not ours: its own parent reaps it
+        pass
+    return pid_alive(pid) and not _zombie(pid)
+
+
+def _zombie(pid: int) -> bool:
+    """Exited but not reaped (Linux; elsewhere, as if not)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2:].startswith("Z")  # the state follows "pid (comm) "
 
 
 def broker_of(stack: Path, port: int | None = None) -> Broker:
@@ -263,21 +295,29 @@ def show_logs(stack: Path, name: str, lines: int, follow: bool) -> int:
     return subprocess.call(["tail", "-n", str(lines), *(["-F"] if follow else []), str(path)])
 
 
-def down(stack: Path, timeout: float = 90.0, announce: bool = True) -> int:
+def down(stack: Path, timeout: float = DOWN_TIMEOUT_S, announce: bool = True) -> int:
+    """Stop the supervisor (it stops its services, each writing what it holds first), then
+    any service a supervisor killed with -9 left behind, then the broker -- last, so the
+    services can still commit to it."""
     status = read_status(stack)
     if status is not None:
-        os.kill(status["supervisor"], signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        while _alive(status["supervisor"]) and time.monotonic() < deadline:
-            time.sleep(0.2)
-    # A supervisor that died without stopping its services (kill -9) left them running.
+        _signal(status["supervisor"], signal.SIGTERM)
+        if not _wait_gone([status["supervisor"]], timeout):
+            # Stuck: it must not restart the services stopped below.
+            _signal(status["supervisor"], signal.SIGKILL)
+            _wait_gone([status["supervisor"]], 5.0)
     try:
         left = json.loads((stack / "status.json").read_text())["services"].values()
     except (OSError, ValueError, KeyError):
         left = []
-    for service in left:
-        if _alive(service["pid"]):
-            os.kill(service["pid"], signal.SIGTERM)
+    orphans = [s["pid"] for s in left if _alive(s["pid"])]
+    for pid in orphans:
+        _signal(pid, signal.SIGTERM)
+    if orphans and not _wait_gone(orphans, STOP_GRACE_S):
+        for pid in orphans:
+            _signal(pid, signal.SIGKILL)
+        _wait_gone(orphans, 5.0)
+    (stack / "status.json").unlink(missing_ok=True)
     broker = broker_of(stack)
     if broker.running():
         broker.stop()
@@ -286,37 +326,72 @@ def down(stack: Path, timeout: float = 90.0, announce: bool = True) -> int:
     return 0
 
 
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:  # it exited meanwhile
+        pass
+
+
+def _wait_gone(pids: list[int], timeout: float) -> bool:
+    """Whether every one of them exited within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while any(_alive(pid) for pid in pids):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+ACTIONS = {"up": "Start Kafka and the supervised consumers on this machine; print the job's env line.",
+           "status": "Show Kafka, the supervisor, and each service with its uptime, restarts and lag.",
+           "logs": "Print a service's log.",
+           "down": "Stop the services (each writes what it holds first), the supervisor, then Kafka."}
+
+
+def build_parser(action: str) -> argparse.ArgumentParser:
+    """One action's own options: ``trainmon up --help`` shows up's and nothing else."""
+    parser = argparse.ArgumentParser(prog=f"trainmon {action}", description=ACTIONS[action])
+    parser.add_argument("--dir", type=Path, default=default_dir(),
+                        help="where everything lives (default: $TRAINMON_STACK_DIR or ~/.cache/trainmon/stack)")
+    if action == "up":
+        parser.add_argument("--port", type=int, default=int(os.environ.get("TRAINMON_BROKER_PORT", 0)) or 9092,
+                            help="the broker's port (default: $TRAINMON_BROKER_PORT or 9092)")
+        parser.add_argument("--with", dest="extra", default="",
+                            help=f"consumers to run too, comma-separated ({', '.join(ON_REQUEST)})")
+        parser.add_argument("--ui", choices=UIS, help="a UI for live plots (TensorBoard on 6006, Aim on 43800)")
+    elif action == "logs":
+        parser.add_argument("name", nargs="?", default="supervisor", help="the service (default supervisor)")
+        parser.add_argument("-n", "--lines", type=int, default=40, help="how many lines")
+        parser.add_argument("-f", "--follow", action="store_true", help="keep printing")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "supervise":  # the supervisor process itself (started by `up`)
         Supervisor(Path(argv[1]), argv[2]).run()
         return 0
-    parser = argparse.ArgumentParser(prog=f"trainmon {argv[0] if argv else ''}".strip(),
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("action", choices=["up", "status", "logs", "down"])
-    parser.add_argument("name", nargs="?", default="supervisor", help="logs: the service (default supervisor)")
-    parser.add_argument("--dir", type=Path, default=default_dir(), help="where everything lives")
-    parser.add_argument("--port", type=int, default=int(os.environ.get("TRAINMON_BROKER_PORT", 0)) or 9092)
-    parser.add_argument("--with", dest="extra", default="",
-                        help=f"up: consumers to run too, comma-separated ({', '.join(ON_REQUEST)})")
-    parser.add_argument("--ui", choices=UIS, help="up: a UI for live plots (TensorBoard on 6006, Aim on 43800)")
-    parser.add_argument("-n", "--lines", type=int, default=40, help="logs: how many lines")
-    parser.add_argument("-f", "--follow", action="store_true", help="logs: keep printing")
-    args = parser.parse_args(argv)
+    if not argv or argv[0] not in ACTIONS:
+        print(f"usage: trainmon {{{','.join(ACTIONS)}}} [--help]", file=sys.stderr)
+        return 2
+    action = argv[0]
+    parser = build_parser(action)
+    args = parser.parse_args(argv[1:])
     stack = args.dir.expanduser().resolve()
+    if action == "status":
+        return show_status(stack)
+    if action == "logs":
+        return show_logs(stack, args.name, args.lines, args.follow)
+    if action == "down":
+        return down(stack)
     extra = [x.strip() for x in args.extra.split(",") if x.strip()]
     unknown = set(extra) - set(ON_REQUEST)
     if unknown:
         parser.error(f"--with: unknown {', '.join(sorted(unknown))}; choose from {', '.join(ON_REQUEST)}")
     if args.ui and args.ui not in extra:
         extra.append(args.ui)  # a UI shows what its forwarder writes
-    if args.action == "up":
-        return up(stack, args.port, extra, args.ui)
-    if args.action == "status":
-        return show_status(stack)
-    if args.action == "logs":
-        return show_logs(stack, args.name, args.lines, args.follow)
-    return down(stack)
+    return up(stack, args.port, extra, args.ui)
 
 
 if __name__ == "__main__":
