@@ -102,7 +102,7 @@ def test_a_failed_background_insert_is_written_again_first_and_held_back_from_co
 
     monkeypatch.setattr(loader, "insert_json", connection_lost_once)
     sink = loader.ClickHouseSink(client, database="trainmon", max_rows=2, max_wait_s=0)
-    sink.start(SimpleNamespace(stopping=False, stream=SimpleNamespace(prefix="t.")))
+    sink.start(SimpleNamespace(stopping=False, stream=SimpleNamespace(prefix="t.", dead_letters=0)))
     try:
         sink.put([message(0), message(1)])
         sink.flush()  # handed to the writer, which fails on it
