@@ -24,6 +24,7 @@ from datetime import datetime, timezone
 
 import trainmon.producer as tm
 from trainmon.ingest.warnings import classify, signature
+from trainmon.kafka_client.memory_transport import MemoryBroker
 from trainmon.producer import Producer, ProducerConfig
 from trainmon.producer.disk import DiskSampler, disk_fields, measured_path
 
@@ -147,8 +148,9 @@ def test_disk_fields_by_hand_and_a_directory_not_made_yet(tmp_path):
 
 def test_the_disk_thread_runs_only_where_asked_and_on_local_rank_0(tmp_path):
     def made(**settings):
-        producer = Producer(ProducerConfig(bootstrap="127.0.0.1:1", run_id="r", spill_dir=tmp_path / "spill",
-                                           **settings))
+        # A MemoryBroker, not a Kafka client: only whether a disk thread starts is asked here.
+        producer = Producer(ProducerConfig(run_id="r", spill_dir=tmp_path / "spill", **settings),
+                            transport=MemoryBroker().transport)
         on = producer._disk is not None
         producer.close(timeout=0.1)
         return on
