@@ -12,6 +12,7 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 import trainmon.producer as tm
+from trainmon.kafka_client.memory_transport import MemoryBroker
 from trainmon.producer import Producer, ProducerConfig
 from trainmon.producer.deferred import DeferredRecord
 from trainmon.producer.logger import MAX_REASON_CHARS
@@ -28,9 +29,10 @@ def make(tmp_path):
     made = []
 
     def make(**overrides):
-        settings = dict(bootstrap="127.0.0.1:9", run_id="never-raises", spill_dir=tmp_path / "spill")
+        settings = dict(run_id="never-raises", spill_dir=tmp_path / "spill")
         settings.update(overrides)
-        producer = Producer(ProducerConfig(**settings))
+        # In memory: what the training thread sees never depends on the transport.
+        producer = Producer(ProducerConfig(**settings), transport=MemoryBroker().transport)
         producer.sent = []
         # A record of plain numbers is queued unbuilt (the sender thread builds it): built
         # here, as the sender thread would.
