@@ -7,7 +7,7 @@
 // Output (stdout, JSON): {"name": {"columns": [...], "types": [...], "rows": [[...]]}}
 // or {"name": {"error": "...", "code": N}}; "connect" holds an error opening the pool.
 // Values: floats as numbers or "nan" / "inf" / "-inf", times as {"us": microseconds
-// since the epoch}, decimals and big integers as strings, NULL as null.
+// since the epoch}, decimals as floats, big integers as strings, NULL as null.
 package main
 
 import (
@@ -48,7 +48,7 @@ func canonical(v reflect.Value) any {
 	case time.Time:
 		return map[string]int64{"us": x.UnixMicro()}
 	case decimal.Decimal:
-		return x.String()
+		return x.InexactFloat64()
 	case big.Int:
 		return x.String()
 	case *big.Int:
