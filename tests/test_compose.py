@@ -1,11 +1,13 @@
 """docker-compose.yml without a Docker engine: it validates against the Compose
 Specification schema, and its settings agree with the code, the Grafana provisioning
-and docs/deploy.md."""
+and docs/deploy.md: three replicated KRaft nodes, SASL_SSL with ACLs from outside. The
+Slurm recipe of docs/cluster.md sets only variables the code reads, in valid bash."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import jsonschema
@@ -321,3 +323,16 @@ def test_kafka_helper_scripts_are_mounted_and_passwords_have_no_defaults():
 def test_compose_file_says_it_was_not_started_here():
     header = (REPO / "docker-compose.yml").read_text().split("\nx-", 1)[0]
     assert "NOT STARTED HERE" in header and "without a container engine" in header.replace("\n# ", " ")
+
+
+def test_cluster_doc_names_only_settings_the_code_reads_and_its_scripts_parse():
+    """docs/cluster.md (the Slurm recipe): every TRAINMON_* variable it sets is one the code
+    reads, and every bash block is valid bash."""
+    doc = (REPO / "docs" / "cluster.md").read_text()
+    for var in sorted(set(TRAINMON_VAR.findall(doc))):
+        assert f'"{var}"' in CODE, f"docs/cluster.md sets {var} but no code reads it"
+    blocks = re.findall(r"```bash\n(.*?)```", doc, re.S)
+    assert len(blocks) >= 3
+    for block in blocks:
+        checked = subprocess.run(["bash", "-n"], input=block, capture_output=True, text=True)
+        assert checked.returncode == 0, (checked.stderr, block)
