@@ -100,9 +100,9 @@ FROM (
 ) AS seen
 LEFT JOIN (
     SELECT run_id,
-           anyIf(name, event = 'start') AS name,
-           anyIf(project, event = 'start') AS project,
-           argMax(status, time) AS status,
+           toNullable(anyIf(name, event = 'start')) AS name,
+           toNullable(anyIf(project, event = 'start')) AS project,
+           toNullable(argMax(status, time)) AS status,
            -- the latest end record that gave a reason; none once the run started again
            if(argMax(event, time) = 'end', argMaxIf(reason, time, event = 'end'), NULL) AS reason
     FROM {db}.run FINAL
@@ -112,7 +112,7 @@ LEFT JOIN (
 {steps}
 ) AS steps ON steps.run_id = seen.run_id
 LEFT JOIN (
-    SELECT run_id, minIf(loss, isFinite(loss)) AS best_eval_loss, count() AS evals
+    SELECT run_id, toNullable(minIf(loss, isFinite(loss))) AS best_eval_loss, count() AS evals
     FROM {db}.eval FINAL
     GROUP BY run_id
 ) AS evals ON evals.run_id = seen.run_id
@@ -133,6 +133,9 @@ LEFT JOIN (
 ) AS alerts ON alerts.run_id = seen.run_id
 SETTINGS join_use_nulls = 1
 """
+# The columns a run without a match shows as NULL are Nullable in their subqueries too:
+# under readonly = 1 (the SQL endpoint's viewer, Grafana's user) ClickHouse does not apply
+# the view's join_use_nulls, and an unmatched row would otherwise read 0 or ''.
 
 # run_summary is exact: its step figures come from step_across_ranks (FINAL), so a record
 # stored twice counts once; on a 10-million-row run it takes about half a second.
@@ -141,21 +144,21 @@ SETTINGS join_use_nulls = 1
 # (a resend in a second Kafka message) twice -- see rollups.py -- and that ranks counts
 # every rank that logged a step (run_summary: the most ranks that logged one same step).
 EXACT_STEPS = """    SELECT run_id,
-           max(world_size) AS world_size,
-           max(ranks_reporting) AS ranks,
+           toNullable(max(world_size)) AS world_size,
+           toNullable(max(ranks_reporting)) AS ranks,
            count() AS steps,
-           max(step) AS last_step,
+           toNullable(max(step)) AS last_step,
            sum(step_tokens) AS tokens,
-           argMax(mean_loss, step) AS last_loss
+           toNullable(argMax(mean_loss, step)) AS last_loss
     FROM {db}.step_across_ranks
     GROUP BY run_id"""
 ROLLUP_STEPS = """    SELECT per_step.run_id AS run_id,
-           max(world_size) AS world_size,
-           any(rank_count.ranks) AS ranks,
+           toNullable(max(world_size)) AS world_size,
+           toNullable(any(rank_count.ranks)) AS ranks,
            count() AS steps,
-           max(step) AS last_step,
+           toNullable(max(step)) AS last_step,
            sum(step_tokens) AS tokens,
-           argMax(mean_loss, step) AS last_loss
+           toNullable(argMax(mean_loss, step)) AS last_loss
     FROM (
         SELECT run_id, step, max(world_size) AS world_size, sum(step_tokens) AS step_tokens,
                sum(loss_sum) / nullIf(sum(loss_count), 0) AS mean_loss
