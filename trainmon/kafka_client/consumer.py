@@ -219,6 +219,10 @@ class Consumer:
         for m in batch:
             error = m.error()
             if error is not None:
+                if settings.cause_of(error.str()) is not None:
+                    # Refused (a user without the right): no retry fixes that, a setting does.
+                    raise KafkaError(f"Kafka consumer: {settings.cause_of(error.str())}. Kafka said: "
+                                     f"{error.str()}", code=error.name())
                 # Partition-level errors (a topic not there yet ...): the client retries.
                 log.debug("Kafka consumer: %s", error.str())
                 continue

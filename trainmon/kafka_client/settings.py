@@ -56,10 +56,12 @@ def librdkafka(env: dict | None = None, bootstrap: str | None = None) -> dict:
         "bootstrap.servers": bootstrap or bootstrap_servers(env),
         # After a broker outage, reconnect within a second (not after a backoff grown large).
         "reconnect.backoff.max.ms": 1000,
-        # librdkafka's own log only for the critical; its errors (broker down ...) come
-        # through error_cb, rate-limited: during an outage they repeat every second.
-        "log_level": 2,
-        "logger": _LOG,
+        # librdkafka's own log: the critical, and errors that name why a client cannot
+        # talk to Kafka at all (a wrong password, TLS, the wrong protocol: see ClientLog);
+        # the rest (broker down ...) comes through error_cb, rate-limited: during an
+        # outage it repeats every second.
+        "log_level": 6,
+        "logger": _CLIENT_LOG,
         "error_cb": _report_error,
     }
     config.update({rd: env[var] for var, (rd, _) in _SECURITY.items() if env.get(var)})
@@ -81,9 +83,70 @@ _last_said: dict[str, float] = {}
 def _report_error(error) -> None:
     """librdkafka's client-level errors (broker down, all brokers down ...): each kind once
     a minute at WARNING. They are transient by nature -- the client keeps reconnecting --
-    and during an outage they would otherwise arrive every second."""
+    and during an outage they would otherwise arrive every second. One that names a
+    cause a setting fixes is said as that (see cause_of)."""
+    if _said_cause(error.str()):
+        return
     key = error.name()
     now = time.monotonic()
     if now - _last_said.get(key, -1e9) >= 60:
         _last_said[key] = now
         _LOG.warning("Kafka: %s", error.str())
+
+
+# librdkafka's words for why a client cannot talk to Kafka at all, and what to check. A
+# client that meets one keeps trying (and the producer keeps the records, as during an
+# outage): a setting, not time, fixes it, so it is said as an error naming the setting.
+_CAUSES = [
+    ("SASL authentication error", "Kafka refused the login: the user or password is wrong "
+     "(TRAINMON_KAFKA_SASL_USERNAME, TRAINMON_KAFKA_SASL_PASSWORD)"),
+    ("certificate verify failed", "Kafka's TLS certificate is not trusted: TRAINMON_KAFKA_SSL_CAFILE "
+     "must name the CA file of the stack (`trainmon up` printed it)"),
+    ("SSL handshake failed", "TLS with Kafka failed: check TRAINMON_KAFKA_SSL_CAFILE and "
+     "TRAINMON_KAFKA_SECURITY_PROTOCOL"),
+    ("incorrect security.protocol", "Kafka's listener wants TLS: set TRAINMON_KAFKA_SECURITY_PROTOCOL "
+     "(SASL_SSL for a `trainmon up --listen` stack)"),
+    # (plain text to a TLS listener: the broker drops the connection at the first request)
+    ("connection closed by peer: receive 0 after POLLIN (after", "Kafka closed the connection at "
+     "its first request: its listener wants TLS (TRAINMON_KAFKA_SECURITY_PROTOCOL=SASL_SSL for a "
+     "`trainmon up --listen` stack)"),
+    # (TLS without a SASL login to a SASL_SSL listener)
+    ("SSL connection closed by peer", "Kafka closed the TLS connection at once: it wants a login "
+     "(TRAINMON_KAFKA_SECURITY_PROTOCOL=SASL_SSL, TRAINMON_KAFKA_SASL_MECHANISM, _SASL_USERNAME, "
+     "_SASL_PASSWORD)"),
+    ("uthorization failed", "Kafka refused the request: this user may not do it (a training job's "
+     "writer may only produce to the record topics; consumers need the reader or admin)"),
+]
+
+
+def cause_of(text: str) -> str | None:
+    """What to check, where ``text`` (a librdkafka error or log line) names a setting's fault."""
+    for words, cause in _CAUSES:
+        if words in text:
+            return cause
+    return None
+
+
+def _said_cause(text: str) -> bool:
+    """Say a cause once a minute, as an error; True when ``text`` named one."""
+    cause = cause_of(text)
+    if cause is None:
+        return False
+    now = time.monotonic()
+    if now - _last_said.get(cause, -1e9) >= 60:
+        _last_said[cause] = now
+        _LOG.error("trainmon: %s. Kafka said: %s", cause, text)
+    return True
+
+
+class ClientLog:
+    """librdkafka's log (its ``logger``): a line naming a cause is said as that; else
+    only critical lines pass (its errors repeat at every reconnect)."""
+
+    def log(self, level: int, fmt: str, *args) -> None:
+        text = fmt % args if args else fmt
+        if not _said_cause(text) and level >= logging.CRITICAL:
+            _LOG.log(level, "%s", text)
+
+
+_CLIENT_LOG = ClientLog()
