@@ -262,6 +262,62 @@ def test_trainmon_sql_still_works(service):
     assert done.returncode == 1 and "Code: 62. DB::Exception: Syntax error" in done.stderr
 
 
+# -- Grafana ------------------------------------------------------------------------------
+
+
+def test_grafana_provision_for_the_running_stack(service, info, tmp_path, request):
+    """Everything up to Grafana itself (which cannot be installed here): the files, and
+    the provisioned data source's settings used by Grafana's driver."""
+    import yaml
+
+    from trainmon.grafana_sql import TimeRange, expand
+    from tests.test_dashboards import ALERT_RULES, DASHBOARDS, TIME
+
+    out = tmp_path / "grafana"
+    done = subprocess.run([sys.executable, "-m", "trainmon.grafana_provision", "provision",
+                           "--out", str(out), "--path", str(service.path)],
+                          capture_output=True, text=True, cwd=REPO, env=trainmon_env(service.bootstrap),
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "grafana.sh" in done.stdout
+    source_file = out / "provisioning" / "datasources" / "trainmon.yaml"
+    assert source_file.stat().st_mode & 0o777 == 0o600 and out.stat().st_mode & 0o777 == 0o700
+    [source] = yaml.safe_load(source_file.read_text())["datasources"]
+    assert source["type"] == "grafana-clickhouse-datasource" and source["uid"] == "trainmon-clickhouse"
+    settings = source["jsonData"]
+    assert (settings["protocol"], settings["secure"], settings["username"]) == ("http", False, "viewer")
+    assert f"{settings['host']}:{settings['port']}" == urllib.parse.urlsplit(info["url"]).netloc
+    assert source["secureJsonData"]["password"] == info["viewer_password"]
+    for dashboard in DASHBOARDS:  # every dashboard, panel and the alert rule use this source
+        assert {p["datasource"]["uid"] for p in dashboard["panels"]} == {source["uid"]}
+    assert {q["datasourceUid"] for rule in ALERT_RULES for q in rule["data"]} == {source["uid"], "__expr__"}
+    dashboards = {p.name: p.read_text() for p in (out / "dashboards").glob("*.json")}
+    assert dashboards == {p.name: p.read_text() for p in (REPO / "infra/grafana/dashboards").glob("*.json")}
+    [provider] = yaml.safe_load((out / "provisioning/dashboards/trainmon.yaml").read_text())["providers"]
+    assert provider["options"]["path"] == str(out / "dashboards")
+    rules = yaml.safe_load((out / "provisioning/alerting/trainmon.yaml").read_text())
+    assert [r["uid"] for g in rules["groups"] for r in g["rules"]] == [r["uid"] for r in ALERT_RULES]
+    script = (out / "grafana.sh").read_text()
+    assert f"GF_PATHS_PROVISIONING={out / 'provisioning'}" in script and "grafana server" in script
+    # Grafana's driver with exactly the provisioned settings: the run variable, a panel
+    # and the alert rule's query.
+    try:
+        binary = request.getfixturevalue("chgo")
+    except pytest.skip.Exception as exc:
+        pytest.skip(f"files checked; the driver check needs Go: {exc}")
+    queries = {"variable": DASHBOARDS[0]["templating"]["list"][0]["query"],
+               "rule": expand(ALERT_RULES[0]["data"][0]["model"]["rawSql"], TIME),
+               "panel": expand("SELECT count() FROM step WHERE $__timeFilter(time)", TimeRange(TIME.start, TIME.end))}
+    request_ = {"addr": f"{settings['host']}:{settings['port']}", "user": settings["username"],
+                "password": source["secureJsonData"]["password"], "database": settings["defaultDatabase"],
+                "compression": "lz4", "queries": queries, "exec": {}}
+    ran = subprocess.run([str(binary)], input=json.dumps(request_), capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    got = json.loads(ran.stdout)
+    assert sorted(row[0] for row in got["variable"]["rows"]) == ["dash-big", "dash-run"], got
+    assert len(got["rule"]["rows"]) == 2 and got["panel"]["rows"] == [[204]], got
+
+
 # -- beyond loopback: TLS ----------------------------------------------------------------
 
 
