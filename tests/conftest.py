@@ -3,8 +3,9 @@ and a helper that reads topics back with a plain consumer (no group, no commits)
 
 Tests that need a real broker are marked ``kafka`` here, by the fixtures they use; those
 that start a broker of their own (``own_broker``, the stack's modules) also ``slow``; a
-test that starts one otherwise carries the marks itself. ``pytest -m "not kafka"`` runs the
-rest: in memory (MemoryBroker, MemoryRecordStream) or with no Kafka at all.
+test that starts one otherwise, or waits out a real client's timeouts with no broker,
+carries the marks itself. ``pytest -m "not kafka"`` runs the rest: in memory
+(MemoryBroker, MemoryRecordStream) or with no Kafka at all.
 """
 
 from __future__ import annotations

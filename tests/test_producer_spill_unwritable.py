@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import socket
 
+import pytest
+
 from trainmon.producer import Producer, ProducerConfig
 
 
@@ -16,6 +18,8 @@ def closed_port() -> int:
         return s.getsockname()[1]  # nothing listens there once the socket is closed
 
 
+@pytest.mark.kafka  # the Kafka client with no broker (in memory: test_producer_backlog_memory)
+@pytest.mark.slow
 def test_unwritable_spill_and_no_broker_never_raise_and_count_the_drop(tmp_path, caplog):
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("a file where the spill directory should be")

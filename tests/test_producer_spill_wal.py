@@ -152,6 +152,8 @@ def test_unwritable_spill_keeps_records_in_memory_until_a_late_broker_comes(tmp_
         broker.stop(kill=True)
 
 
+@pytest.mark.kafka  # the Kafka clients' own delivery timeouts, no broker (in memory: test_producer_backlog_memory)
+@pytest.mark.slow
 def test_beyond_the_memory_bound_records_are_dropped_counted_and_said_once(tmp_path, caplog):
     blocker = tmp_path / "not-a-directory"
     blocker.write_text("a file where the spill directory should be")
