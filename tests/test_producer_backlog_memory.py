@@ -6,6 +6,7 @@ same end to end in test_producer_spill_wal.py."""
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 
 from trainmon.kafka_client.memory_transport import MemoryBroker
@@ -177,3 +178,24 @@ def test_records_held_in_memory_at_exit_are_counted_as_dropped(tmp_path):
 
 def test_count_of_a_packed_entry():  # (the backlog counts records, not messages)
     assert count(entry('{"a":1}', '{"a":2}')[2]) == 2
+
+
+def test_an_unwritable_spill_with_the_broker_away_never_raises_and_says_the_drop_once(tmp_path, caplog):
+    """test_producer_spill_unwritable.py's guarantee, on a MemoryBroker."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the spill directory should be")
+    broker = MemoryBroker()
+    broker.up = False
+    producer = producer_for(broker, tmp_path, spill_dir=blocker / "spill", queue_size=500)
+    caplog.set_level(logging.ERROR, logger="trainmon.producer")
+    logged = 5_000
+    for step in range(logged):
+        assert producer.log_step(step, loss=2.0, norm=1.0) is True
+        assert producer.queued <= 500
+    assert producer.flush(timeout=0.5) is False
+    assert producer.close(timeout=0.5) is False
+    assert producer.dropped > 0
+    assert producer.dropped + producer.spilled + producer._worker.sent == logged
+    said = [r.getMessage() for r in caplog.records if "cannot keep records" in r.getMessage()]
+    assert len(said) == 1 and "not-a-directory" in said[0]
+    assert any(f"{producer.dropped} records were dropped" in r.getMessage() for r in caplog.records)
