@@ -199,3 +199,21 @@ def test_an_unwritable_spill_with_the_broker_away_never_raises_and_says_the_drop
     said = [r.getMessage() for r in caplog.records if "cannot keep records" in r.getMessage()]
     assert len(said) == 1 and "not-a-directory" in said[0]
     assert any(f"{producer.dropped} records were dropped" in r.getMessage() for r in caplog.records)
+
+
+def test_beyond_the_memory_bound_the_drop_is_said_once(tmp_path, caplog):
+    """test_producer_spill_wal.py's memory-bound guarantee, on a MemoryBroker."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    broker = MemoryBroker()
+    broker.up = False
+    producer = producer_for(broker, tmp_path, spill_dir=blocker / "spill", queue_size=300)
+    caplog.set_level(logging.ERROR, logger="trainmon.producer")
+    for step in range(3_000):
+        assert producer.log_step(step, loss=2.0) is True
+        assert producer.held_in_memory <= 300
+    wait_until(lambda: producer.dropped > 0, what="records beyond the bound to be dropped")
+    assert producer.held_in_memory <= 300
+    dropped_said = [r.getMessage() for r in caplog.records if "are dropped and counted" in r.getMessage()]
+    assert len(dropped_said) == 1 and "300" in dropped_said[0]
+    assert producer.close(timeout=0.5) is False
