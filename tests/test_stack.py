@@ -162,7 +162,7 @@ def test_down_within_10_s_keeps_what_was_logged(tmp_path):
     job's records, then `down` at once: within 10 s every process is gone, and every record
     is in ClickHouse. (`trainmon down` from another shell: test_up_job_kill_report_down.)"""
     stack_dir = tmp_path / "stack"
-    assert stack_module.up(stack_dir, free_port(), [], None, announce=False) == 0
+    assert stack_module.up(stack_dir, stack_module.Layout(port=free_port()), [], None, announce=False) == 0
     before = status(stack_dir)
     broker_pid = stack_module.broker_of(stack_dir).pid()
     try:

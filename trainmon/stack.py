@@ -8,6 +8,13 @@ tensorboard|aim``) a UI for live plots, and prints the one line a training job n
 
     export TRAINMON_KAFKA_BOOTSTRAP=127.0.0.1:9092 TRAINMON_CLICKHOUSE_PATH=~/.cache/trainmon/stack/clickhouse
 
+On loopback (the default) Kafka speaks plain text: only this machine reaches it. With
+``--listen ADDR`` (an address compute nodes reach; ``--public-host NAME`` for the name
+they use) the stack is secured without further options: TLS, SCRAM logins and ACLs
+(trainmon.stack_security, broker.py), and ``up`` prints ``export`` lines for the
+``writer`` login and the CA file to copy to the nodes (docs/cluster.md). ``--brokers 3``
+runs three brokers that replicate every topic: one may crash and nothing stops.
+
 The supervisor restarts a service that exits or is killed (after 1 s, doubling up to 30 s
 while it keeps failing within a minute of its start) and logs each restart; the consumers
 commit their progress with their writes, so a restart neither loses nor repeats a row.
@@ -31,7 +38,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .broker import Broker, cache_dir, pid_alive
+from .backoff import Backoff
+from .broker import Broker, Cluster, cache_dir, is_loopback, pid_alive
+from .stack_security import StackSecrets
 from .consumers import registry
 
 RESTART_MIN_S, RESTART_MAX_S, HEALTHY_AFTER_S = 1.0, 30.0, 60.0
@@ -91,7 +100,7 @@ class Child:
     restarts: int = 0
     last_exit: int | None = None
     next_start: float = 0.0
-    backoff_s: float = RESTART_MIN_S
+    backoff: Backoff = field(default_factory=lambda: Backoff(RESTART_MIN_S, RESTART_MAX_S))
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
 
@@ -145,11 +154,10 @@ class Supervisor:
             code = child.proc.poll()
             if code is None:
                 if now - child.started_at >= HEALTHY_AFTER_S:
-                    child.backoff_s = RESTART_MIN_S
+                    child.backoff.reset()
                 return
             child.last_exit, child.proc, child.pid, child.since = code, None, None, None
-            child.next_start = now + child.backoff_s
-            child.backoff_s = min(child.backoff_s * 2, RESTART_MAX_S)
+            child.next_start = now + child.backoff.next()
             self._say(f"{name} exited with {code}; restarting in {child.next_start - now:.0f} s")
             return
         if now < child.next_start:
@@ -204,34 +212,107 @@ def _zombie(pid: int) -> bool:
     return stat[stat.rfind(")") + 2:].startswith("Z")  # the state follows "pid (comm) "
 
 
-def broker_of(stack: Path, port: int | None = None) -> Broker:
-    saved = stack / "broker-port"
-    if port is None:
-        port = int(saved.read_text()) if saved.exists() else 9092
-    return Broker(stack / "broker", port=port)
+@dataclass(frozen=True)
+class Layout:
+    """How the stack's Kafka is laid out, kept in ``stack.json`` for status and down."""
+
+    port: int = 9092
+    listen: str = "127.0.0.1"
+    public_host: str | None = None
+    brokers: int = 1
+
+    @property
+    def secured(self) -> bool:
+        return not is_loopback(self.listen)
+
+    @classmethod
+    def of(cls, stack: Path) -> "Layout":
+        try:
+            return cls(**json.loads((stack / "stack.json").read_text()))
+        except (OSError, ValueError):
+            saved = stack / "broker-port"  # (a stack of an earlier version)
+            return cls(port=int(saved.read_text())) if saved.exists() else cls()
+
+    def save(self, stack: Path) -> None:
+        (stack / "stack.json").write_text(json.dumps(self.__dict__))
 
 
-def up(stack: Path, port: int, extra: list[str], ui: str | None, timeout: float = 90.0,
-       env: dict | None = None, announce: bool = True) -> int:
-    """``env``: settings for the services (the demo's shorter alert windows)."""
+def broker_of(stack: Path, layout: Layout | None = None, secrets: StackSecrets | None = None) -> Broker | Cluster:
+    """The stack's broker, or brokers (a Cluster), as laid out."""
+    layout = layout or Layout.of(stack)
+    if layout.secured and secrets is None:
+        secrets = StackSecrets.ensure(stack / "security", [layout.public_host or layout.listen])
+    if layout.brokers > 1:
+        cluster = Cluster(stack / "brokers", nodes=layout.brokers, listen=layout.listen,
+                          public_host=layout.public_host, secrets=secrets)
+        for i, broker in enumerate(cluster.brokers):  # client ports port, port + 1, ...
+            broker.port = layout.port + i
+        return cluster
+    return Broker(stack / "broker", port=layout.port, listen=layout.listen,
+                  public_host=layout.public_host, secrets=secrets)
+
+
+def _running(kafka: Broker | Cluster) -> bool:
+    return all(kafka.running()) if isinstance(kafka, Cluster) else kafka.running()
+
+
+def job_env_lines(kafka: Broker | Cluster, stack: Path) -> list[str]:
+    """What a training job needs, as the lines to put in its environment."""
+    if kafka.secrets is None:
+        return [env_line(kafka.bootstrap, stack)]
+    return [f"export {name}={value}" for name, value in kafka.client_env("writer").items()]
+
+
+def topic_end_offsets(stack: Path) -> dict[str, int]:
+    """Each topic's records in all (its partitions' end offsets added up), as the admin."""
+    from .kafka_client import Consumer, TopicPartition
+
+    kafka = broker_of(stack)
+    consumer = Consumer(env=kafka.client_env(), bootstrap=kafka.bootstrap)
+    try:
+        ends = {}
+        for topic in sorted(consumer.topics()):
+            partitions = [TopicPartition(topic, p) for p in consumer.partitions_for(topic)]
+            ends[topic] = sum(consumer.end_offsets(partitions).values())
+        return ends
+    finally:
+        consumer.close()
+
+
+def up(stack: Path, layout: Layout, extra: list[str], ui: str | None, timeout: float = 90.0,
+       env: dict | None = None, announce: bool = True, tls: dict | None = None) -> int:
+    """``env``: settings for the services (the demo's shorter alert windows); ``tls``: the
+    operator's certificate, key and CA (``--tls-cert/--tls-key/--tls-ca``)."""
     from . import topics
+    from .kafka_client.acls import grant_stack_acls
 
     stack.mkdir(parents=True, exist_ok=True)
     running = read_status(stack)
     if running is not None:
         print(f"trainmon: already up (supervisor {running['supervisor']}); 'trainmon down' first to change it")
-        print(env_line(broker_of(stack).bootstrap, stack))
+        print("\n".join(job_env_lines(broker_of(stack), stack)))
         return 0
-    broker = broker_of(stack, port)
-    (stack / "broker-port").write_text(str(port))
-    if not broker.running():
-        print(f"trainmon: starting Kafka on {broker.bootstrap}", file=sys.stderr)
-        broker.start()
-    broker.create_topics(topics.all_topics())
-    (stack / "services.json").write_text(json.dumps({"with": extra, "ui": ui, "env": env or {}}))
+    secrets = None
+    if layout.secured:
+        secrets = StackSecrets.ensure(stack / "security", [layout.public_host or layout.listen, layout.listen],
+                                      **{f"tls_{k}": v for k, v in (tls or {}).items()})
+    kafka = broker_of(stack, layout, secrets)
+    layout.save(stack)
+    if not _running(kafka):
+        print(f"trainmon: starting Kafka on {kafka.bootstrap}", file=sys.stderr)
+        kafka.start()
+    kafka.create_topics(topics.all_topics())
+    if secrets is not None:
+        grant_stack_acls(topics.DEFAULT_PREFIX, env=kafka.client_env(), bootstrap=kafka.bootstrap)
+    # The services log in as the stack's admin; the file holds its password where secured.
+    services_env = {**kafka.client_env(), **(env or {})}
+    plan = stack / "services.json"
+    fd = os.open(plan, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        json.dump({"with": extra, "ui": ui, "env": services_env}, out)
     with open(stack / "supervisor.log", "ab") as log:
         supervisor = subprocess.Popen(
-            [sys.executable, "-m", "trainmon.stack", "supervise", str(stack), broker.bootstrap],
+            [sys.executable, "-m", "trainmon.stack", "supervise", str(stack), kafka.bootstrap],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True)  # outlives this command and its terminal
     deadline = time.monotonic() + timeout
@@ -243,9 +324,14 @@ def up(stack: Path, port: int, extra: list[str], ui: str | None, timeout: float 
     names = ", ".join(read_status(stack)["services"])
     if not announce:
         return 0
-    print(f"trainmon: up: Kafka on {broker.bootstrap}; {names} (logs: trainmon logs NAME). "
+    how = (f"SASL_SSL with logins and ACLs, {layout.brokers} broker(s)" if secrets is not None
+           else f"plain text on loopback, {layout.brokers} broker(s)")
+    print(f"trainmon: up: Kafka on {kafka.bootstrap} ({how}); {names} (logs: trainmon logs NAME). "
           "In the training job's environment:")
-    print(env_line(broker.bootstrap, stack))
+    print("\n".join(job_env_lines(kafka, stack)))
+    if secrets is not None:
+        print(f"trainmon: copy {secrets.ca_file} to the nodes and point TRAINMON_KAFKA_SSL_CAFILE at it "
+              "there; keep these lines private (the password lets anyone write to the topics)")
     return 0
 
 
@@ -262,11 +348,17 @@ def _uptime(since: float | None) -> str:
 
 def show_status(stack: Path) -> int:
     from . import topics
-    from .kafka_client import KafkaError, group_lag
+    from .kafka_client import KafkaError, group_lag, replication_state
 
     broker = broker_of(stack)
-    running = broker.running()
+    running = _running(broker)
     print(f"kafka           {'running on ' + broker.bootstrap if running else 'stopped'}")
+    if isinstance(broker, Cluster) and running:
+        try:
+            for line in replication_state(env=broker.client_env(), bootstrap=broker.bootstrap):
+                print(f"                {line}")
+        except KafkaError as exc:
+            print(f"                replication unknown: {exc}")
     status = read_status(stack)
     if status is None:
         print("supervisor      stopped")
@@ -279,7 +371,9 @@ def show_status(stack: Path) -> int:
         lag = ""
         if s["group"] and running:
             try:
-                lag = f", lag {group_lag(s['group'], record_topics, bootstrap=broker.bootstrap, timeout_s=5):,} records"
+                lag = group_lag(s['group'], record_topics, env=broker.client_env(),
+                                bootstrap=broker.bootstrap, timeout_s=5)
+                lag = f", lag {lag:,} records"
             except KafkaError:
                 lag = ", lag unknown"
         print(f"{name:<15} {state}, {s['restarts']} restarts{last}{lag}")
@@ -319,7 +413,7 @@ def down(stack: Path, timeout: float = DOWN_TIMEOUT_S, announce: bool = True) ->
         _wait_gone(orphans, 5.0)
     (stack / "status.json").unlink(missing_ok=True)
     broker = broker_of(stack)
-    if broker.running():
+    if isinstance(broker, Cluster) or broker.running():
         broker.stop()
     if announce:
         print("trainmon: down")
@@ -356,7 +450,18 @@ def build_parser(action: str) -> argparse.ArgumentParser:
                         help="where everything lives (default: $TRAINMON_STACK_DIR or ~/.cache/trainmon/stack)")
     if action == "up":
         parser.add_argument("--port", type=int, default=int(os.environ.get("TRAINMON_BROKER_PORT", 0)) or 9092,
-                            help="the broker's port (default: $TRAINMON_BROKER_PORT or 9092)")
+                            help="the broker's port (default: $TRAINMON_BROKER_PORT or 9092; with "
+                                 "--brokers N, N ports from it)")
+        parser.add_argument("--listen", default="127.0.0.1", metavar="ADDR",
+                            help="the address Kafka listens on (default 127.0.0.1, plain text); any "
+                                 "other (0.0.0.0 for all) turns on TLS, SCRAM logins and ACLs")
+        parser.add_argument("--public-host", metavar="NAME",
+                            help="the name the compute nodes use for this host (default: --listen)")
+        parser.add_argument("--brokers", type=int, default=1, choices=(1, 3),
+                            help="Kafka brokers: 1, or 3 that replicate every topic (default 1)")
+        for what in ("cert", "key", "ca"):
+            parser.add_argument(f"--tls-{what}", type=Path, metavar="PEM",
+                                help=f"your site's TLS {what} (default: up makes a CA and a certificate)")
         parser.add_argument("--with", dest="extra", default="",
                             help=f"consumers to run too, comma-separated ({', '.join(ON_REQUEST)})")
         parser.add_argument("--ui", choices=UIS, help="a UI for live plots (TensorBoard on 6006, Aim on 43800)")
@@ -391,7 +496,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--with: unknown {', '.join(sorted(unknown))}; choose from {', '.join(ON_REQUEST)}")
     if args.ui and args.ui not in extra:
         extra.append(args.ui)  # a UI shows what its forwarder writes
-    return up(stack, args.port, extra, args.ui)
+    if args.listen == "0.0.0.0" and not args.public_host:
+        parser.error("--listen 0.0.0.0 needs --public-host: the name the nodes reach this host by")
+    tls = {k: getattr(args, f"tls_{k}") for k in ("cert", "key", "ca") if getattr(args, f"tls_{k}")}
+    if tls and len(tls) != 3:
+        parser.error("--tls-cert, --tls-key and --tls-ca go together")
+    layout = Layout(port=args.port, listen=args.listen, public_host=args.public_host, brokers=args.brokers)
+    return up(stack, layout, extra, args.ui, tls=tls or None)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ the code sees is this small API: partitions are plain ``(topic, partition)`` tup
 errors are :class:`KafkaError`, settings come from ``TRAINMON_KAFKA_*`` (:mod:`.settings`).
 """
 
-from .admin import create_topics, delete_group, group_lag, list_topics, wait_for_leaders
+from .admin import create_topics, delete_group, group_lag, list_topics, replication_state, wait_for_leaders
 from .consumer import Consumer, RawMessage
 from .errors import KafkaError
 from .producer import Delivery, Producer
@@ -17,4 +17,4 @@ from .types import TopicPartition
 
 __all__ = ["Consumer", "Delivery", "KafkaError", "Producer", "RawMessage", "TopicPartition",
            "bootstrap_servers", "create_topics", "delete_group", "group_lag", "list_topics",
-           "wait_for_leaders"]
+           "replication_state", "wait_for_leaders"]

@@ -98,3 +98,28 @@ def group_lag(group: str, topics: list[str], *, env: dict | None = None, bootstr
                    for tp in parts)
     finally:
         reader.close()
+
+
+def replication_state(*, env: dict | None = None, bootstrap: str | None = None,
+                      timeout_s: float = 10.0) -> list[str]:
+    """Lines for `trainmon status` of a replicated stack: each broker and the partitions it
+    leads, under-replicated partitions, and how many partitions have each ISR size."""
+    from confluent_kafka import KafkaException
+
+    try:
+        metadata = _admin(env, bootstrap).list_topics(timeout=timeout_s)
+    except KafkaException as exc:
+        raise KafkaError(f"describe the cluster: {exc}", retriable=True) from exc
+    partitions = [p for t in metadata.topics.values() for p in t.partitions.values()]
+    leads = {broker_id: 0 for broker_id in metadata.brokers}
+    isr_sizes: dict[int, int] = {}
+    under = 0
+    for p in partitions:
+        leads[p.leader] = leads.get(p.leader, 0) + 1
+        isr_sizes[len(p.isrs)] = isr_sizes.get(len(p.isrs), 0) + 1
+        under += len(p.isrs) < len(p.replicas)
+    lines = [f"broker {b.id} on {b.host}:{b.port}, leads {leads.get(b.id, 0)} partitions"
+             for b in sorted(metadata.brokers.values(), key=lambda b: b.id)]
+    lines.append(f"{len(partitions)} partitions, {under} under-replicated; ISR sizes: "
+                 + ", ".join(f"{size}: {n}" for size, n in sorted(isr_sizes.items(), reverse=True)))
+    return lines
