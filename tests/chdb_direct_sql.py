@@ -24,8 +24,11 @@ def main(path: str, database: str) -> None:
     for name, sql in queries.items():
         try:
             result = client.query(sql)
-            results[name] = {"columns": list(result.column_names),
-                             "rows": ch_values.rows(result.result_rows)}
+            columns = list(result.column_names)
+            if not result.result_rows:  # chDB's Native has no header without rows: ask JSON
+                meta = json.loads(client.raw_query(sql, fmt="JSON") or b"{}").get("meta") or []
+                columns = [column["name"] for column in meta]
+            results[name] = {"columns": columns, "rows": ch_values.rows(result.result_rows)}
         except Exception as exc:  # reported per query so one bad panel names itself
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
     client.close()

@@ -309,6 +309,17 @@ def _column_end_parsed(data: bytes, pos: int, type_name: str, rows: int) -> int:
     return source.pos
 
 
+def leb128(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if not value:
+            out.append(byte)
+            return bytes(out)
+        out.append(byte | 0x80)
+
+
 def native_for_revision(data: bytes, revision: int) -> bytes:
     """chDB's Native (revision 0) as a server writes it for ``client_protocol_version``."""
     if revision <= 0 or not data:

@@ -258,6 +258,27 @@ def _status_of(text: str) -> int:
     return _STATUS_BY_NAME.get(match.group(1), 500) if match else 500
 
 
+_READS = re.compile(r"^\s*(?:--[^\n]*\n\s*|/\*.*?\*/\s*)*(SELECT|WITH|SHOW|DESCRIBE|DESC|EXPLAIN|EXISTS)\b",
+                    re.IGNORECASE | re.DOTALL)
+
+
+def _native_header(run, sql: str, query_params: dict) -> bytes:
+    """The header block a server sends for a result without rows, where chDB's Native
+    sends nothing: names and types from the same query in JSON (only for reads, which
+    can run twice)."""
+    from .native_wire import leb128
+
+    meta = json.loads(bytes(run(sql, "JSON", params=query_params).bytes() or b"{}") or b"{}").get("meta") or []
+    if not meta:
+        return b""
+    out = bytearray(leb128(len(meta)) + leb128(0))
+    for column in meta:
+        for text in (column["name"], column["type"]):
+            raw = text.encode()
+            out += leb128(len(raw)) + raw
+    return bytes(out)
+
+
 def _quote_value(value: str) -> str:
     return "'" + str(value).replace("\\", "\\\\").replace("'", "\\'") + "'"
 
@@ -466,14 +487,16 @@ class SqlEndpoint:
                 run(f"SET {name} = {_quote_value(value)}")
             result = run(sql, default_format, params=query_params)
             body = bytes(result.bytes() or b"")
+            match = _TRAILING_FORMAT.search(sql)
+            fmt = match.group(1) if match else default_format
+            if fmt == "Native" and not body and _READS.match(sql):
+                body = _native_header(run, sql[:match.start()] if match else sql, query_params)
             summary = {"read_rows": str(result.rows_read()), "read_bytes": str(result.bytes_read()),
                        "written_rows": str(getattr(result, "rows_written", lambda: 0)()),
                        "written_bytes": str(getattr(result, "bytes_written", lambda: 0)()),
                        "elapsed_ns": str(int(result.elapsed() * 1e9))}
         finally:
             conn.close()
-        match = _TRAILING_FORMAT.search(sql)
-        fmt = match.group(1) if match else default_format
         if fmt == "Native":
             try:
                 revision = int(params.get("client_protocol_version") or 0)
