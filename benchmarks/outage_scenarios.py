@@ -51,6 +51,7 @@ Every process and temp dir is cleaned up, and every scenario has a deadline.
 from __future__ import annotations
 
 import argparse
+import array
 import contextlib
 import json
 import logging
@@ -90,16 +91,16 @@ MID_OUTAGE_KILL_S = 20.0
 
 # -- producer processes ------------------------------------------------------------------
 
-def watch_acknowledgements(producer) -> list[tuple[float | None, float]]:
-    """Gaps in Kafka's acknowledgements, as (last ack before, first ack after) wall times;
-    the first acknowledgement of all is (None, t). Uses the transport's ``on_ack`` hook
-    (instrumentation: it changes nothing the producer does)."""
+def watch_acknowledgements(producer, gap_s: float = ACK_GAP_S) -> list[tuple[float | None, float]]:
+    """Gaps of ``gap_s`` or more in Kafka's acknowledgements, as (last ack before, first
+    ack after) wall times; the first acknowledgement of all is (None, t). Uses the
+    transport's ``on_ack`` hook (instrumentation: it changes nothing the producer does)."""
     gaps: list[tuple[float | None, float]] = []
     last: list[float | None] = [None]
 
     def on_ack():
         now = time.time()
-        if last[0] is None or now - last[0] >= ACK_GAP_S:
+        if last[0] is None or now - last[0] >= gap_s:
             gaps.append((last[0], now))
         last[0] = now
 
@@ -108,19 +109,22 @@ def watch_acknowledgements(producer) -> list[tuple[float | None, float]]:
 
 
 def produce(bootstrap: str, prefix: str, run_id: str, rank: int, world_size: int,
-            spill_dir: str, log_path: str, go, stop, results, max_s: float) -> None:
-    """One rank: log step records at RATE until told to stop (or max_s), close, report."""
+            spill_dir: str, log_path: str, go, stop, results, max_s: float,
+            gap_s: float = ACK_GAP_S) -> None:
+    """One rank: log step records at RATE until told to stop (or max_s), close, report
+    (with every log call's duration in microseconds, ``durations_us``)."""
     logging.basicConfig(filename=log_path, level=logging.INFO,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
     from trainmon.producer import Producer, ProducerConfig
 
     producer = Producer(ProducerConfig(bootstrap=bootstrap, topic_prefix=prefix, run_id=run_id,
                                        rank=rank, world_size=world_size, spill_dir=Path(spill_dir)))
-    gaps = watch_acknowledgements(producer)
+    gaps = watch_acknowledgements(producer, gap_s)
     results.put(("ready", rank, None))
     go.wait()
     logged = raised = step = 0
     slowest = 0.0
+    durations = array.array("f")
     began = time.monotonic()
     while not stop.is_set() and time.monotonic() - began < max_s:
         call = time.perf_counter()
@@ -129,7 +133,9 @@ def produce(bootstrap: str, prefix: str, run_id: str, rank: int, world_size: int
                                         loss=2.0, norm=1.0, lr=3e-4)
         except Exception:  # the producer promises this never happens: count it if it does
             raised += 1
-        slowest = max(slowest, time.perf_counter() - call)
+        took = time.perf_counter() - call
+        slowest = max(slowest, took)
+        durations.append(took * 1e6)
         step += 1
         ahead = began + step / RATE - time.monotonic()
         if ahead > 0:
@@ -140,20 +146,21 @@ def produce(bootstrap: str, prefix: str, run_id: str, rank: int, world_size: int
         "logged": logged, "raised": raised, "slowest_ms": slowest * 1000,
         "spilled": producer.spilled, "dropped": producer.dropped,
         "rejected": sum(producer.rejected.values()), "closed_ok": closed_ok,
-        "close_s": time.monotonic() - closing, "gaps": gaps}))
+        "close_s": time.monotonic() - closing, "gaps": gaps, "durations_us": durations.tobytes()}))
 
 
 class Producers:
     """Producer processes (spawned, so each has its own interpreter and GIL)."""
 
-    def __init__(self, tmp: Path, bootstrap: str, prefix: str, run_id: str, ranks: int, max_s: float):
+    def __init__(self, tmp: Path, bootstrap: str, prefix: str, run_id: str, ranks: int, max_s: float,
+                 gap_s: float = ACK_GAP_S):
         ctx = mp.get_context("spawn")
         self.go, self.stop, self.results = ctx.Event(), ctx.Event(), ctx.Queue()
         self.spill_dirs = [tmp / f"spill-{rank}" for rank in range(ranks)]
         self.logs = [tmp / f"producer-{rank}.log" for rank in range(ranks)]
         self.procs = [ctx.Process(target=produce, daemon=True, name=f"rank{rank}", args=(
             bootstrap, prefix, run_id, rank, ranks, str(self.spill_dirs[rank]),
-            str(self.logs[rank]), self.go, self.stop, self.results, max_s))
+            str(self.logs[rank]), self.go, self.stop, self.results, max_s, gap_s))
             for rank in range(ranks)]
         for p in self.procs:
             p.start()

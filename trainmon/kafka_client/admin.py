@@ -123,3 +123,38 @@ def replication_state(*, env: dict | None = None, bootstrap: str | None = None,
     lines.append(f"{len(partitions)} partitions, {under} under-replicated; ISR sizes: "
                  + ", ".join(f"{size}: {n}" for size, n in sorted(isr_sizes.items(), reverse=True)))
     return lines
+
+
+def cluster_state(topics: list[str] | None = None, *, env: dict | None = None,
+                  bootstrap: str | None = None, timeout_s: float = 10.0) -> dict:
+    """The replication state as data (``replication_state`` says it in lines), from the
+    metadata of the broker asked: ``brokers`` {id: "host:port"} of the live brokers,
+    ``partitions`` {(topic, partition): {"leader", "replicas", "isr"}} of ``topics``
+    (default: every topic), ``leaders`` {broker id: partitions of those it leads} (every
+    live broker listed, -1 for partitions without a leader), and ``controller``: the id
+    DescribeCluster gives. Under KRaft a broker answers DescribeCluster with some live
+    broker, not the active controller (clients do not talk to controllers): read the
+    active one from the quorum instead (a node's ``__cluster_metadata-0/quorum-state``)."""
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    from confluent_kafka import KafkaException
+
+    admin = _admin(env, bootstrap)
+    try:
+        metadata = admin.list_topics(timeout=timeout_s)
+        try:
+            controller = admin.describe_cluster(request_timeout=timeout_s).result(timeout_s).controller
+        except (KafkaException, FutureTimeout):
+            controller = None
+    except KafkaException as exc:
+        raise KafkaError(f"describe the cluster: {exc}", retriable=True) from exc
+    wanted = set(metadata.topics) if topics is None else set(topics)
+    partitions = {(t.topic, p.id): {"leader": p.leader, "replicas": list(p.replicas), "isr": list(p.isrs)}
+                  for t in metadata.topics.values() if t.topic in wanted
+                  for p in t.partitions.values()}
+    leaders = {broker_id: 0 for broker_id in metadata.brokers}
+    for p in partitions.values():
+        leaders[p["leader"]] = leaders.get(p["leader"], 0) + 1
+    return {"brokers": {b.id: f"{b.host}:{b.port}" for b in metadata.brokers.values()},
+            "partitions": partitions, "leaders": leaders,
+            "controller": None if controller is None else controller.id}
