@@ -555,14 +555,18 @@ class SqlEndpoint:
                 if path != "/":
                     return self._reply(404, f"There is no handle {url.path}\n".encode(),
                                        {"Content-Type": "text/plain; charset=UTF-8"})
-                query_id = params.get("query_id") or str(uuid.uuid4())
-                headers = {"X-ClickHouse-Query-Id": query_id,
-                           "X-ClickHouse-Timezone": endpoint._server_info["timezone"],
+                headers = {"X-ClickHouse-Timezone": endpoint._server_info["timezone"],
                            "X-ClickHouse-Server-Display-Name": endpoint._server_info["display_name"]}
                 compress = params.get("compress") == "1"
                 encoding, encode = (None, None)
                 if params.get("enable_http_compression") == "1":
                     encoding, encode = _content_encoder(self.headers.get("Accept-Encoding") or "")
+                # ClickHouse takes these as headers too.
+                for header, param in (("X-ClickHouse-Database", "database"),
+                                      ("X-ClickHouse-Format", "default_format")):
+                    if self.headers.get(header) and param not in params:
+                        params[param] = self.headers[header]
+                headers["X-ClickHouse-Query-Id"] = params.get("query_id") or str(uuid.uuid4())
                 try:
                     user = endpoint.authenticate(self.headers, params)
                     try:
