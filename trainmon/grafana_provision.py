@@ -141,6 +141,15 @@ def provision(info: dict, out: Path, grafana_dir: Path = GRAFANA_DIR) -> list[Pa
     return written
 
 
+def _stack_clickhouse_dir() -> Path | None:
+    """``trainmon up``'s chDB directory (its --dir default), when no path is given."""
+    try:
+        from .stack import default_dir
+    except Exception:  # noqa: BLE001 - the stack's module unavailable: no fallback
+        return None
+    return default_dir() / "clickhouse"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="trainmon grafana",
@@ -150,13 +159,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("action", choices=["provision"])
     parser.add_argument("--out", required=True, type=Path, help="folder to write (created, mode 0700)")
     parser.add_argument("--path", help="the service's chDB data directory (default: "
-                                       "$TRAINMON_CLICKHOUSE_PATH or ./trainmon-data/chdb)")
+                                       "$TRAINMON_CLICKHOUSE_PATH, else ./trainmon-data/chdb or "
+                                       "trainmon up's, whichever a service holds)")
     args = parser.parse_args(argv)
     from .consumers.clickhouse.client import DEFAULT_PATH
     from .consumers.clickhouse.sql_endpoint import find_endpoint
 
-    path = Path(args.path or os.environ.get("TRAINMON_CLICKHOUSE_PATH") or DEFAULT_PATH)
-    info = find_endpoint(path)
+    given = args.path or os.environ.get("TRAINMON_CLICKHOUSE_PATH")
+    candidates = [Path(given)] if given else [DEFAULT_PATH, _stack_clickhouse_dir()]
+    path = candidates[0]
+    info = None
+    for candidate in filter(None, candidates):
+        info = find_endpoint(candidate)
+        if info is not None:
+            path = candidate
+            break
     if info is None or "viewer_password" not in info:
         print(f"trainmon grafana: no running service answers SQL for {path} (start `trainmon up`, "
               "or `trainmon consume clickhouse --path ...`, or give its --path)", file=sys.stderr)
