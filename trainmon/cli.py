@@ -64,20 +64,28 @@ def cmd_broker(args) -> int:
     # Without --port: the port the broker of this data directory was started with, else
     # Kafka's usual 9092 for a new one.
     port = args.port or int(os.environ.get("TRAINMON_BROKER_PORT", 0))
-    if not port and not (Path(args.data_dir) / "broker.json").exists():
+    state = Path(args.data_dir) / ("node-1" if args.nodes > 1 else "") / "broker.json"
+    if not port and not state.exists():
         port = 9092
-    b = broker.Broker(args.data_dir, port=port, heap=args.heap)
+    if args.nodes > 1:
+        b = broker.Cluster(args.data_dir, nodes=args.nodes, heap=args.heap)
+        for i, node in enumerate(b.brokers):
+            if port:  # client ports port, port + 1, ... (as trainmon up's)
+                node.port = port + i
+    else:
+        b = broker.Broker(args.data_dir, port=port, heap=args.heap)
+    running = all(b.running()) if args.nodes > 1 else b.running()
     if args.action == "start":
         b.start()
         b.create_topics(topics.all_topics())
-        print(f"Kafka broker running on {b.bootstrap} (data in {b.data_dir})")
+        print(f"Kafka running on {b.bootstrap} ({args.nodes} node(s); data in {b.data_dir})")
         print(f"export TRAINMON_KAFKA_BOOTSTRAP={b.bootstrap}")
     elif args.action == "stop":
         b.stop()
-        print("Kafka broker stopped")
+        print("Kafka stopped")
     else:
-        print(f"running on {b.bootstrap} (pid {b.pid()})" if b.running() else "not running")
-        return 0 if b.running() else 1
+        print(f"running on {b.bootstrap}" if running else "not running")
+        return 0 if running else 1
     return 0
 
 
@@ -135,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=None,
                    help="default: $TRAINMON_BROKER_PORT, the data directory's broker's, else 9092")
     p.add_argument("--heap", default="512m")
+    p.add_argument("--nodes", type=int, default=1, choices=(1, 3),
+                   help="1, or 3 brokers (controller voters) that replicate every topic")
     p.set_defaults(func=cmd_broker)
 
     p = sub.add_parser("consume", add_help=False,
