@@ -43,13 +43,16 @@ from typing import Any, Callable, Iterable, Mapping
 
 import tenacity
 
+from ..backoff import Backoff
 from ..kafka_client import KafkaError, TopicPartition
 from .stream import Message, RecordStream
 
 log = logging.getLogger("trainmon.consumers")
 
 STOPPING_ATTEMPTS = 3  # tries of a flush once stopping: a stop must not wait on an outage
-COMMIT_RETRY_S = 5.0  # commits retried at once keep interrupting the group join they wait for
+# A refused commit is tried again after this, doubling while it keeps failing: commits
+# retried at once keep interrupting the group join they wait for.
+COMMIT_RETRY_S = 5.0
 
 
 class RetriableError(Exception):
@@ -76,10 +79,10 @@ class RetryPolicy:
             log.warning("%s failed (attempt %d), retrying in %.1f s: %s", what, state.attempt_number,
                         state.next_action.sleep, state.outcome.exception())
 
+        backoff = Backoff(self.first_s, self.max_s, jitter_s=self.first_s)
         return tenacity.Retrying(
             retry=tenacity.retry_if_exception_type(RetriableError),
-            wait=tenacity.wait_exponential(multiplier=self.first_s, max=self.max_s)
-            + tenacity.wait_random(0, self.first_s),
+            wait=lambda state: backoff.wait_before(state.attempt_number),
             stop=give_up, sleep=stop.wait, before_sleep=say, reraise=True)
 
 
@@ -192,6 +195,7 @@ class SinkRuntime:
         self._put_since_commit = False
         self._dead_letters_committed = 0
         self._next_commit_at = 0.0
+        self._commit_backoff = Backoff(COMMIT_RETRY_S, self.retry.max_s)
         self._active_at = time.monotonic()  # the last record put, or joining the group
         self.closed = False
         stream.consumer.listen(self._assigned, self._revoked)
@@ -283,10 +287,11 @@ class SinkRuntime:
         try:
             self.stream.commit(offsets)
         except KafkaError as exc:  # e.g. a rebalance under way: the next flush commits
-            self._next_commit_at = time.monotonic() + COMMIT_RETRY_S
-            log.warning("%s: Kafka commit failed (trying again in %.0f s): %s", self.sink.name,
-                        COMMIT_RETRY_S, exc)
+            wait = self._commit_backoff.next()
+            self._next_commit_at = time.monotonic() + wait
+            log.warning("%s: Kafka commit failed (trying again in %.0f s): %s", self.sink.name, wait, exc)
             return
+        self._commit_backoff.reset()
         self._put_since_commit = offsets != positions  # the rest once the sink wrote it
         self._dead_letters_committed = dead_letters
 

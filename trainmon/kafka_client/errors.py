@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
+from ..backoff import Backoff
+
 
 class KafkaError(Exception):
     """A Kafka call failed (broker away, rebalance under way, refused request ...)."""
@@ -33,16 +35,16 @@ def retried(call, what: str, timeout_s: float = 10.0):
     partition whose leader is being elected, a coordinator loading its offsets: the
     normal state of a topic created a moment ago) and ``timeout_s`` has not passed."""
     deadline = time.monotonic() + timeout_s
-    pause = 0.05
+    backoff = Backoff(first_s=0.05, max_s=1.0)
     while True:
         try:
             with translated(what):
                 return call()
         except KafkaError as exc:
+            pause = backoff.next()
             if not exc.retriable or time.monotonic() + pause > deadline:
                 raise
         time.sleep(pause)
-        pause = min(pause * 2, 1.0)
 
 
 @contextmanager
