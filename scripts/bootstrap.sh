@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Sets up everything trainmon needs on a fresh machine, idempotently:
 # a virtualenv in .venv, the Python packages (torch's CPU wheel from ../shared/wheels
-# when present, to skip a multi-GB CUDA download), the Kafka broker jars via Maven, and
+# when present, to skip a multi-GB CUDA download), the Kafka broker's pinned jars from Maven Central (no Maven needed), and
 # Debian's chromium for the browser test.
 # Quiet when there is nothing to do; one progress line per long step otherwise.
 set -euo pipefail
@@ -55,5 +55,5 @@ if ! command -v chromium >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1 &
     fi
 fi
 
-# Kafka broker jars from Maven Central (cached outside git; prints only when fetching).
+# Kafka broker jars from Maven Central, checksums verified (cached outside git; prints only when fetching).
 "$VENV/bin/python" -c 'from trainmon.broker import fetch; fetch()'

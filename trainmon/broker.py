@@ -1,8 +1,9 @@
 """Real Apache Kafka brokers (KRaft) run from Maven jars: one, or a replicated cluster.
 
 There is no Docker engine where trainmon is developed and tested, so the broker's
-classpath is resolved from Maven Central (``infra/kafka/pom.xml``) into a cache
-directory outside git, and the JVM is started directly: ``kafka.Kafka`` as a combined
+classpath (``infra/kafka/pom.xml``, pinned with checksums in ``kafka_jars.json``) is
+fetched from Maven Central into a cache directory outside git, and the JVM is started
+directly: ``kafka.Kafka`` as a combined
 broker + controller. ``trainmon broker start|stop|status``, ``trainmon up`` and the test
 fixtures use it.
 
@@ -18,6 +19,7 @@ fixtures use it.
 
 from __future__ import annotations
 
+import hashlib
 import ipaddress
 import json
 import os
@@ -27,12 +29,13 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from .stack_security import SCRAM, StackSecrets
 
-POM = Path(__file__).resolve().parents[1] / "infra" / "kafka" / "pom.xml"
 DEFAULT_PARTITIONS = 4
 
 
@@ -47,29 +50,67 @@ def libs_dir() -> Path:
     return Path(os.environ.get("TRAINMON_KAFKA_LIBS") or cache_dir() / "kafka-libs")
 
 
+# The broker's classpath, pinned: each jar's Maven coordinates and SHA-256, generated from
+# infra/kafka/pom.xml by scripts/pin_kafka_jars.py and shipped in the package, so no
+# Maven and no checkout is needed to fetch them.
+PINNED_JARS = Path(__file__).with_name("kafka_jars.json")
+MAVEN_CENTRAL = "https://repo1.maven.org/maven2"
+
+
 def fetch(quiet: bool = True) -> Path:
-    """Resolve the broker jars with Maven once; later calls return the cached dir."""
+    """The broker's jars: ``TRAINMON_KAFKA_LIBS`` as it is where it holds jars (a machine
+    without internet), else fetched once into the cache from Maven Central (or the
+    mirror ``TRAINMON_MAVEN_URL`` names; ``HTTPS_PROXY`` is honoured), each checked
+    against its pinned SHA-256. A failed fetch leaves nothing half-written."""
     libs = libs_dir()
-    marker = libs / ".complete"
-    if marker.exists():
+    if (libs / ".complete").exists() or (os.environ.get("TRAINMON_KAFKA_LIBS") and any(libs.glob("*.jar"))):
         return libs
-    if not POM.exists():
-        raise RuntimeError(f"Kafka pom not found at {POM}: run from a trainmon source checkout")
-    if shutil.which("mvn") is None:
-        raise RuntimeError("Maven (mvn) is needed to fetch the Kafka broker jars from Maven Central")
+    jars = json.loads(PINNED_JARS.read_text())["jars"]
+    base = (os.environ.get("TRAINMON_MAVEN_URL") or MAVEN_CENTRAL).rstrip("/")
     tmp = libs.with_name(libs.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    print(f"trainmon: fetching Kafka broker jars from Maven Central into {libs} ...", file=sys.stderr)
-    # -B and style.color=never: no terminal escape codes in a demo's or CI's output.
-    cmd = ["mvn", "-B", "-Dstyle.color=never", "-f", str(POM), "dependency:copy-dependencies",
-           "-DincludeScope=runtime", f"-DoutputDirectory={tmp}"]
-    if quiet:
-        cmd.insert(1, "-q")
-    subprocess.run(cmd, check=True)
-    shutil.rmtree(libs, ignore_errors=True)
-    tmp.rename(libs)
-    marker.write_text("ok\n")
+    tmp.mkdir(parents=True)
+    megabytes = sum(jar["bytes"] for jar in jars) / 1e6
+    print(f"trainmon: fetching the Kafka broker's {len(jars)} jars ({megabytes:.0f} MB) from {base} "
+          f"into {libs} ...", file=sys.stderr, flush=True)
+    began = time.monotonic()
+    try:
+        for jar in jars:
+            name = f"{jar['artifact']}-{jar['version']}.jar"
+            url = f"{base}/{jar['group'].replace('.', '/')}/{jar['artifact']}/{jar['version']}/{name}"
+            data = _download(url)
+            digest = hashlib.sha256(data).hexdigest()
+            if digest != jar["sha256"]:
+                raise RuntimeError(f"{name} from {url} has SHA-256 {digest}, not the pinned {jar['sha256']}: "
+                                   "refused (a corrupted download, or a mirror serving another file)")
+            (tmp / name).write_bytes(data)
+        shutil.rmtree(libs, ignore_errors=True)
+        tmp.rename(libs)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    (libs / ".complete").write_text("ok\n")
+    if not quiet:
+        print(f"trainmon: fetched in {time.monotonic() - began:.1f} s", file=sys.stderr)
     return libs
+
+
+def _download(url: str, attempts: int = 3) -> bytes:
+    """urllib honours HTTPS_PROXY / HTTP_PROXY / NO_PROXY from the environment."""
+    from .backoff import Backoff
+
+    backoff = Backoff(first_s=1.0, max_s=4.0)
+    for attempt in range(1, attempts + 1):
+        try:
+            with urllib.request.urlopen(url, timeout=60) as response:
+                return response.read()
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404 or attempt == attempts:
+                raise RuntimeError(f"cannot fetch {url}: HTTP {exc.code}") from exc
+        except OSError as exc:
+            if attempt == attempts:
+                raise RuntimeError(f"cannot fetch {url}: {exc}") from exc
+        time.sleep(backoff.next())
+    raise AssertionError("unreachable")
 
 
 def free_port() -> int:
