@@ -93,8 +93,12 @@ def declared_groups(tmp_path) -> dict:
     def forwarding(name):
         return ForwardingSink(SimpleNamespace(name=name), ProgressStore(tmp_path)).group
 
+    from trainmon.consumers.notify.config import load_config as notify_config
+    from trainmon.consumers.notify.sink import NotifySink
+
     return {"clickhouse": ClickHouseSink.group, "alerts": AlertService(load_config(env={})).group,
-            **{name: forwarding(name) for name in ("tensorboard", "aim", "wandb")}}
+            **{name: forwarding(name) for name in ("tensorboard", "aim", "wandb")},
+            "notify": NotifySink(notify_config(env={})).group}
 
 
 def test_each_sink_declares_the_group_the_registry_names(tmp_path):

@@ -70,6 +70,12 @@ CONSUMERS: tuple[Consumer, ...] = (
              # Offline unless the environment says otherwise: `trainmon up` needs no W&B login.
              stack_env=lambda stack: {"WANDB_DIR": str(stack / "wandb"),
                                       "WANDB_MODE": os.environ.get("WANDB_MODE", "offline")}),
+    Consumer("notify", "trainmon.consumers.notify.sink:main", "alerts",
+             "delivers the alert topic's incidents to Alertmanager, apprise URLs (Slack, e-mail, "
+             "webhooks ...) and actions, each once", "docs/notify.md", always_up=False,
+             # Where to deliver comes from the environment (TRAINMON_ALERTMANAGER_URL,
+             # TRAINMON_NOTIFY, TRAINMON_NOTIFY_ACTIONS), passed through as it is.
+             stack_env=lambda stack: {"TRAINMON_NOTIFY_STATE_DIR": str(stack / "notify")}),
 )
 BY_NAME = {consumer.name: consumer for consumer in CONSUMERS}
 

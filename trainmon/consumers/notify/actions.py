@@ -1,0 +1,45 @@
+"""Actions: a command run for an incident -- ``scancel $SLURM_JOB_ID`` on a critical NaN,
+a stop file the training loop watches -- with the alert as JSON on stdin and as
+TRAINMON_ALERT_* environment variables, a time limit, and its output logged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+
+from ...schemas import AlertRecord
+from .config import Action
+
+log = logging.getLogger("trainmon.notify")
+
+
+def alert_env(alert: AlertRecord) -> dict[str, str]:
+    fields = {"RULE": alert.rule, "SEVERITY": alert.severity, "STATE": alert.state,
+              "RUN_ID": alert.run_id, "HOST": alert.host, "INCIDENT_ID": alert.incident_id,
+              "EVENT_ID": alert.event_id, "MESSAGE": alert.message,
+              "STEP": "" if alert.step is None else str(alert.step),
+              "VALUE": "" if alert.value is None else repr(alert.value),
+              "THRESHOLD": "" if alert.threshold is None else repr(alert.threshold),
+              "RANKS": ",".join(str(r) for r in alert.ranks)}
+    return {f"TRAINMON_ALERT_{k}": v for k, v in fields.items()}
+
+
+def run_action(action: Action, alert: AlertRecord, timeout_s: float) -> int | None:
+    """Run it once; its exit status, or None when it ran past ``timeout_s`` (killed)."""
+    document = alert.model_dump_json()
+    env = {**os.environ, **alert_env(alert)}
+    log.info("trainmon notify: action for %s: %s", alert.incident_id, action.command)
+    try:
+        done = subprocess.run(action.command, shell=True, input=document, env=env, text=True,
+                              capture_output=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
+        log.error("trainmon notify: action for %s ran past %.0f s, killed: %s (output: %r)",
+                  alert.incident_id, timeout_s, action.command, exc.stdout)
+        return None
+    level = logging.INFO if done.returncode == 0 else logging.ERROR
+    log.log(level, "trainmon notify: action for %s exited %d; stdout: %r stderr: %r",
+            alert.incident_id, done.returncode, done.stdout[-2000:], done.stderr[-2000:])
+    return done.returncode
