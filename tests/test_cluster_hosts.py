@@ -110,6 +110,16 @@ def test_a_two_node_job_logs_through_a_secured_stack_and_strangers_are_refused(t
             assert sql(hosts, stack_dir, "SELECT count() AS n FROM trainmon.step WHERE run_id = 'two-nodes'") \
                 == [{"n": RANKS * STEPS}]
 
+            # The SQL endpoint (ClickHouse's HTTP interface) listens on the stack's address
+            # too, over HTTPS with the stack's certificate: a node reaches it with the CA.
+            endpoint = json.loads((stack_dir / "clickhouse" / "sql-endpoint.json").read_text())
+            assert endpoint["url"].startswith(f"https://{address}:"), endpoint["url"]
+            ping = ("import ssl, sys, urllib.request; print(urllib.request.urlopen(sys.argv[1] + '/ping', "
+                    "context=ssl.create_default_context(cafile=sys.argv[2]), timeout=10).read().decode())")
+            pinged = hosts.run("node0", [sys.executable, "-c", ping, endpoint["url"], job_env["TRAINMON_KAFKA_SSL_CAFILE"]],
+                               capture_output=True, text=True, timeout=60)
+            assert pinged.stdout.strip() == "Ok.", pinged.stderr
+
             # Clients the stack must refuse, each from a compute node, each told why.
             before = topic_ends(hosts, stack_dir)
             for mode in REFUSED:

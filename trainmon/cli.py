@@ -27,6 +27,8 @@ DELEGATED = {
                    "ClickHouse housekeeping: create the tables, print the DDL"),
     "demo": ("trainmon.demo:main", "demo", "the demo: broker, consumers, a 4-rank CPU training run, a report"),
     "roundtrip": ("trainmon.roundtrip:main", None, "send a few records through a throwaway broker and read them back"),
+    "grafana": ("trainmon.grafana_provision:main", "clickhouse",
+                "Grafana for the stack: 'provision --out DIR' writes data source, dashboards, alert rule"),
 }
 # consumer -> (module:function, extra), from the one list of consumers (consumers/registry.py)
 CONSUMERS = {c.name: (c.main, c.extra) for c in registry.CONSUMERS}

@@ -306,6 +306,12 @@ def up(stack: Path, layout: Layout, extra: list[str], ui: str | None, timeout: f
         grant_stack_acls(topics.DEFAULT_PREFIX, env=kafka.client_env(), bootstrap=kafka.bootstrap)
     # The services log in as the stack's admin; the file holds its password where secured.
     services_env = {**kafka.client_env(), **(env or {})}
+    if secrets is not None:
+        # The SQL endpoint (ClickHouse's HTTP interface) on the same address, over HTTPS
+        # with the broker's certificate (its PEM holds the key and the chain).
+        services_env.update({"TRAINMON_SQL_LISTEN": layout.listen,
+                             "TRAINMON_SQL_TLS_CERT": str(secrets.broker_keystore),
+                             "TRAINMON_SQL_TLS_KEY": str(secrets.broker_keystore)})
     plan = stack / "services.json"
     fd = os.open(plan, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as out:
