@@ -155,6 +155,10 @@ def cluster_pipeline(name: str):
         except BaseException:
             if service is not None:
                 print(f"  ClickHouse service log (last lines):\n{service.tail()}", flush=True)
+            for broker in cluster.brokers:
+                with contextlib.suppress(OSError):
+                    lines = (broker.data_dir / "broker.log").read_text(errors="replace").splitlines()
+                    print(f"  broker {broker.node_id} log (last lines):\n" + "\n".join(lines[-8:]), flush=True)
             raise
         finally:
             if service is not None:
