@@ -4,7 +4,7 @@ Loads, through the project's own DDL (tables, materialized views), one run of 1,
 ranks x 9,800 steps (10,035,200 step rows, 2,007,040 GPU rows at one sample per 5 steps,
 1,003,520 allocator rows at one per 10 steps) plus 50 small runs (8 ranks x 1,000 steps),
 generated in SQL so loading takes a minute, not hours. Then runs every panel, annotation
-and variable query of infra/grafana/dashboards with the ClickHouse plugin's macros
+and variable query of trainmon/grafana/dashboards with the ClickHouse plugin's macros
 expanded, over the whole big run and over its last hour, with the interval Grafana would
 pick for a panel 1,500 pixels wide, and prints per query the median and slowest latency
 and the rows and the most points of one series it returned.
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                                          grafana_interval(args.steps + 120)),
                   "last hour": TimeRange(end - timedelta(hours=1), end, grafana_interval(3600))}
         queries = {}
-        for dashboard in load_dashboards(REPO / "infra" / "grafana" / "dashboards"):
+        for dashboard in load_dashboards(REPO / "trainmon" / "grafana" / "dashboards"):
             for q in dashboard_queries(dashboard):
                 for range_name, time_range in ranges.items():
                     name = f"{q.dashboard.removeprefix('trainmon / ')} / {q.panel} / {q.ref_id} / {range_name}"

@@ -292,7 +292,7 @@ def test_grafana_provision_for_the_running_stack(service, info, tmp_path, reques
         assert {p["datasource"]["uid"] for p in dashboard["panels"]} == {source["uid"]}
     assert {q["datasourceUid"] for rule in ALERT_RULES for q in rule["data"]} == {source["uid"], "__expr__"}
     dashboards = {p.name: p.read_text() for p in (out / "dashboards").glob("*.json")}
-    assert dashboards == {p.name: p.read_text() for p in (REPO / "infra/grafana/dashboards").glob("*.json")}
+    assert dashboards == {p.name: p.read_text() for p in (REPO / "trainmon/grafana/dashboards").glob("*.json")}
     [provider] = yaml.safe_load((out / "provisioning/dashboards/trainmon.yaml").read_text())["providers"]
     assert provider["options"]["path"] == str(out / "dashboards")
     rules = yaml.safe_load((out / "provisioning/alerting/trainmon.yaml").read_text())

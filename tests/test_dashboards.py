@@ -18,7 +18,7 @@ from tests.dashboard_data import BIG_RANKS, BIG_RUN_ID, RUN_ID, SLOW_RANK, T0
 from trainmon.grafana_sql import ALL, TimeRange, dashboard_queries, expand, load_dashboards
 
 REPO = Path(__file__).resolve().parents[1]
-GRAFANA = REPO / "infra" / "grafana"
+GRAFANA = REPO / "trainmon" / "grafana"  # what the package ships; infra/grafana/build.py writes it
 DASHBOARDS = load_dashboards(GRAFANA / "dashboards")
 PROVISIONED_SOURCE = yaml.safe_load(
     (GRAFANA / "provisioning" / "datasources" / "clickhouse.yaml").read_text())["datasources"][0]
@@ -126,7 +126,7 @@ def test_only_the_chosen_ranks_are_queried(results):
 
 
 def test_dashboards_are_what_the_build_script_writes():
-    spec = importlib.util.spec_from_file_location("grafana_build", GRAFANA / "build.py")
+    spec = importlib.util.spec_from_file_location("grafana_build", REPO / "infra" / "grafana" / "build.py")
     build = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(build)
     on_disk = {p.name: p.read_text() for p in (GRAFANA / "dashboards").glob("*.json")}

@@ -10,8 +10,8 @@ trainmon dashboards and evaluate the alert rule against it:
   interface on chDB -- as the read-only ``viewer`` (mode 0600: it holds the password;
   with TLS, the endpoint's certificate as the CA);
 * ``DIR/provisioning/dashboards/trainmon.yaml`` and ``DIR/dashboards/*.json``: the
-  dashboards of ``infra/grafana/dashboards``;
-* ``DIR/provisioning/alerting/trainmon.yaml``: the alert rule of ``infra/grafana``;
+  dashboards of ``trainmon/grafana/dashboards`` (shipped in the package);
+* ``DIR/provisioning/alerting/trainmon.yaml``: the alert rule of ``trainmon/grafana``;
 * ``DIR/grafana.sh``: the one command that starts a locally installed Grafana (12.x,
   ``grafana`` on PATH) with all of it, its data and plugins kept under ``DIR``.
 
@@ -33,7 +33,7 @@ from pathlib import Path
 PLUGIN = "grafana-clickhouse-datasource"
 PLUGIN_VERSION = "4.15.0"  # as docker-compose.yml's Grafana
 DATASOURCE_UID = "trainmon-clickhouse"
-GRAFANA_DIR = Path(__file__).resolve().parents[1] / "infra" / "grafana"
+GRAFANA_DIR = Path(__file__).resolve().parent / "grafana"
 
 
 def _q(value) -> str:

@@ -1,4 +1,4 @@
-"""Writes the Grafana dashboards (infra/grafana/dashboards/*.json) from the compact
+"""Writes the Grafana dashboards (trainmon/grafana/dashboards/*.json, shipped in the package) from the compact
 definitions below: `python infra/grafana/build.py`. tests/test_dashboards.py checks the
 JSON files are what this script writes, and runs every query against chDB.
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-OUT = Path(__file__).resolve().parent / "dashboards"
+OUT = Path(__file__).resolve().parents[2] / "trainmon" / "grafana" / "dashboards"
 PLUGIN = "grafana-clickhouse-datasource"
 DATASOURCE = {"type": PLUGIN, "uid": "trainmon-clickhouse"}
 RUN = "run_id = '${run_id}'"
