@@ -8,6 +8,9 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+from pathlib import Path
+
+import pytest
 
 from trainmon.kafka_client.memory_transport import MemoryBroker
 from trainmon.producer import Producer, ProducerConfig
@@ -81,6 +84,12 @@ def test_an_orphan_is_deleted_only_once_its_records_are_on_disk_again(tmp_path):
 
 # -- the producer over a MemoryBroker ------------------------------------------------------
 
+@pytest.fixture
+def unwritable_spill(tmp_path) -> Path:
+    """A spill directory that cannot be made: a regular file stands in its path."""
+    return blocker / "spill"
+
+
 def producer_for(broker: MemoryBroker, tmp_path, **config) -> Producer:
     config.setdefault("spill_dir", tmp_path / "spill")
     return Producer(ProducerConfig(run_id="mem", **config), transport=broker.transport)
@@ -129,11 +138,9 @@ def test_records_logged_during_a_resend_join_the_file_behind_it(tmp_path):
     producer.close()
 
 
-def test_without_a_usable_spill_directory_records_wait_in_memory(tmp_path):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a directory")
+def test_without_a_usable_spill_directory_records_wait_in_memory(tmp_path, unwritable_spill):
     broker = MemoryBroker()
-    producer = producer_for(broker, tmp_path, spill_dir=blocker / "spill", queue_size=1_000)
+    producer = producer_for(broker, tmp_path, spill_dir=unwritable_spill, queue_size=1_000)
     broker.up = False
     for step in range(300):
         producer.log_step(step, loss=1.0)
@@ -146,11 +153,9 @@ def test_without_a_usable_spill_directory_records_wait_in_memory(tmp_path):
     assert producer.close()
 
 
-def test_beyond_the_memory_bound_records_are_dropped_and_counted(tmp_path):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a directory")
+def test_beyond_the_memory_bound_records_are_dropped_and_counted(tmp_path, unwritable_spill):
     broker = MemoryBroker()
-    producer = producer_for(broker, tmp_path, spill_dir=blocker / "spill", queue_size=100)
+    producer = producer_for(broker, tmp_path, spill_dir=unwritable_spill, queue_size=100)
     broker.up = False
     for step in range(300):
         producer.log_step(step, loss=1.0)
@@ -163,11 +168,9 @@ def test_beyond_the_memory_bound_records_are_dropped_and_counted(tmp_path):
     assert producer.dropped == 200
 
 
-def test_records_held_in_memory_at_exit_are_counted_as_dropped(tmp_path):
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a directory")
+def test_records_held_in_memory_at_exit_are_counted_as_dropped(tmp_path, unwritable_spill):
     broker = MemoryBroker()
-    producer = producer_for(broker, tmp_path, spill_dir=blocker / "spill")
+    producer = producer_for(broker, tmp_path, spill_dir=unwritable_spill)
     broker.up = False
     for step in range(20):
         producer.log_step(step, loss=1.0)
@@ -180,13 +183,12 @@ def test_count_of_a_packed_entry():  # (the backlog counts records, not messages
     assert count(entry('{"a":1}', '{"a":2}')[2]) == 2
 
 
-def test_an_unwritable_spill_with_the_broker_away_never_raises_and_says_the_drop_once(tmp_path, caplog):
+def test_an_unwritable_spill_with_the_broker_away_never_raises_and_says_the_drop_once(
+        tmp_path, unwritable_spill, caplog):
     """test_producer_spill_unwritable.py's guarantee, on a MemoryBroker."""
-    blocker = tmp_path / "not-a-directory"
-    blocker.write_text("a file where the spill directory should be")
     broker = MemoryBroker()
     broker.up = False
-    producer = producer_for(broker, tmp_path, spill_dir=blocker / "spill", queue_size=500)
+    producer = producer_for(broker, tmp_path, spill_dir=unwritable_spill, queue_size=500)
     caplog.set_level(logging.ERROR, logger="trainmon.producer")
     logged = 5_000
     for step in range(logged):
@@ -201,13 +203,11 @@ def test_an_unwritable_spill_with_the_broker_away_never_raises_and_says_the_drop
     assert any(f"{producer.dropped} records were dropped" in r.getMessage() for r in caplog.records)
 
 
-def test_beyond_the_memory_bound_the_drop_is_said_once(tmp_path, caplog):
+def test_beyond_the_memory_bound_the_drop_is_said_once(tmp_path, unwritable_spill, caplog):
     """test_producer_spill_wal.py's memory-bound guarantee, on a MemoryBroker."""
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a directory")
     broker = MemoryBroker()
     broker.up = False
-    producer = producer_for(broker, tmp_path, spill_dir=blocker / "spill", queue_size=300)
+    producer = producer_for(broker, tmp_path, spill_dir=unwritable_spill, queue_size=300)
     caplog.set_level(logging.ERROR, logger="trainmon.producer")
     for step in range(3_000):
         assert producer.log_step(step, loss=2.0) is True
