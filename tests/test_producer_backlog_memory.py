@@ -87,6 +87,8 @@ def test_an_orphan_is_deleted_only_once_its_records_are_on_disk_again(tmp_path):
 @pytest.fixture
 def unwritable_spill(tmp_path) -> Path:
     """A spill directory that cannot be made: a regular file stands in its path."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the spill directory should be")
     return blocker / "spill"
 
 
