@@ -89,7 +89,12 @@ class Delivery:
         until ``answers_by`` (a flush's deadline). A batch given up on before its answers
         came is sent again later: a record may reach Kafka twice, never zero times."""
         while self.backlog.records:
-            batch = self.backlog.peek(_BACKLOG_BATCH_BYTES)
+            try:
+                batch = self.backlog.peek(_BACKLOG_BATCH_BYTES)
+            except OSError as exc:  # the disk failing under the file: try again later
+                log.error("trainmon: cannot read back the spill file %s: %s", self.spill.path, exc)
+                self._unreachable(exc)
+                return False
             failed: list[Entry] = []
             try:
                 for entry in batch:

@@ -108,9 +108,10 @@ class SpillFile:
             size = os.fstat(self._fd).st_size
             if self._read_end >= size:
                 os.ftruncate(self._fd, 0)  # the usual case: everything was sent
+                self.count = 0
             else:
                 self._keep_only_after(self._read_end, size)
-            self.count = max(0, self.count - self._read_records)
+                self.count = max(0, self.count - self._read_records)
             self._read_end = self._read_records = 0
 
     def _keep_only_after(self, offset: int, size: int) -> None:
