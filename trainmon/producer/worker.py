@@ -1,9 +1,11 @@
 """The background worker: a bounded in-memory queue drained by one daemon thread.
 
-The calling (training) thread only puts records on a queue. The worker thread serializes,
-hands records to the transport, and when the broker is unreachable moves them to the
-spill file instead of holding them in memory, retrying with backoff. Modelled on the
-Sentry SDK's worker: never block the caller, flush at exit.
+The calling (training) thread only puts records on a queue. The worker thread encodes
+them (encoding.py), packs them into messages (packing.py) and hands those to delivery.py,
+which sends them and keeps what Kafka does not take (the spill file, a write-ahead log)
+until it does, retrying with backoff. This module schedules: when the thread wakes, what
+it gathers, when a log call may send its own record. Modelled on the Sentry SDK's worker:
+never block the caller, flush at exit.
 
 No polling when there is nothing to do: the thread sleeps until a record arrives in an
 empty queue. It then needs the GIL, which the training thread holds until its burst of
