@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import subprocess
 
 from ...schemas import AlertRecord
@@ -32,14 +33,18 @@ def run_action(action: Action, alert: AlertRecord, timeout_s: float) -> int | No
     document = alert.model_dump_json()
     env = {**os.environ, **alert_env(alert)}
     log.info("trainmon notify: action for %s: %s", alert.incident_id, action.command)
+    # A session of its own: at the timeout the whole group goes, not only the shell.
+    process = subprocess.Popen(action.command, shell=True, env=env, text=True, start_new_session=True,
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
-        done = subprocess.run(action.command, shell=True, input=document, env=env, text=True,
-                              capture_output=True, timeout=timeout_s)
-    except subprocess.TimeoutExpired as exc:
-        log.error("trainmon notify: action for %s ran past %.0f s, killed: %s (output: %r)",
-                  alert.incident_id, timeout_s, action.command, exc.stdout)
+        stdout, stderr = process.communicate(document, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        log.error("trainmon notify: action for %s ran past %.0f s, killed: %s (stdout: %r stderr: %r)",
+                  alert.incident_id, timeout_s, action.command, stdout[-2000:], stderr[-2000:])
         return None
-    level = logging.INFO if done.returncode == 0 else logging.ERROR
+    level = logging.INFO if process.returncode == 0 else logging.ERROR
     log.log(level, "trainmon notify: action for %s exited %d; stdout: %r stderr: %r",
-            alert.incident_id, done.returncode, done.stdout[-2000:], done.stderr[-2000:])
-    return done.returncode
+            alert.incident_id, process.returncode, stdout[-2000:], stderr[-2000:])
+    return process.returncode

@@ -5,6 +5,7 @@ per run, so that a run gone bad floods nobody.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import deque
@@ -31,7 +32,10 @@ class AppriseChannel:
         self._apprise = apprise.Apprise()
         if not self._apprise.add(channel.url):
             raise ChannelError(f"TRAINMON_NOTIFY: apprise does not take {redact(channel.url)}")
-        self.name = redact(channel.url)
+        self.name = redact(channel.url)  # for logs
+        # What its deliveries are marked with: the whole URL (two on one host are two), hashed
+        # since it may hold a token.
+        self.key = "url-" + hashlib.sha256(channel.url.encode()).hexdigest()[:16]
         self._sent: dict[str, deque[float]] = {}  # run -> times of the messages of the last minute
         self.held_back: dict[str, int] = {}  # run -> messages the rate limit held back since
 

@@ -172,9 +172,9 @@ class NotifySink(runtime.Sink):
         return []
 
     def _notify(self, channel: AppriseChannel, alerts: list[AlertRecord]) -> list[str]:
-        todo = [a for a in alerts if f"{channel.name}#{a.event_id}" not in self.state]
+        todo = [a for a in alerts if f"{channel.key}#{a.event_id}" not in self.state]
         for message in group(todo, self.config.dashboard_url):
-            keys = [f"{channel.name}#{e}" for e in message.event_ids]
+            keys = [f"{channel.key}#{e}" for e in message.event_ids]
             if not channel.wants(message):
                 continue
             if not channel.within_rate(message.run_id):

@@ -1,0 +1,137 @@
+"""Alert delivery's contract in memory (MemoryBroker, a local webhook server, no Kafka):
+one message per incident change, a burst as one message, minimum severities, the rate
+limit, retries with failures counted, actions once, and a replay that delivers nothing
+again. test_notify_kafka.py kills the sink for real; test_notify_alertmanager.py posts to
+a real Alertmanager."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from trainmon.consumers.notify import messages
+
+from .notify_support import WebhookServer, alert, broker_with, deliver, nan_burst, notify_env, resolved
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_nan_on_64_ranks_is_one_message_naming_the_count_and_the_first_ranks(tmp_path):
+    burst = nan_burst("run-64", 64, step=1234)
+    with WebhookServer() as hook:
+        sink = deliver(broker_with(burst), notify_env(tmp_path, hook.json_url()))
+    [body] = hook.received.bodies()
+    assert "nan" in body["title"] and "run-64" in body["title"] and "step 1234" in body["title"]
+    assert "64 ranks: 0, 1, 2, 3, 4, 5, 6, 7 and 56 more" in body["message"]
+    assert "run run-64, rule nan" in body["message"]
+    assert sorted(hook.received.event_ids()) == sorted(a.event_id for a in burst)
+    assert sink.stats["messages"] == 1 and sink.stats["alerts"] == 64 and sink.stats["failures"] == 0
+
+
+def test_each_incident_change_is_one_message_and_a_replay_sends_none_again(tmp_path):
+    fired = alert("run-b", "loss_spike", "run", severity="warning", ranks=[0, 1], step=300, value=9.5,
+                  threshold=4.0)
+    escalated = alert("run-b", "loss_spike", "run", severity="critical", ranks=[0, 1], step=310, ordinal=2,
+                      value=95.0, message="loss 95 [escalated from 9.5 at step 300, incident #1]")
+    superseded = alert("run-b", "loss_spike", "run", state="resolved", severity="warning", ranks=[0, 1],
+                       step=310, message="resolved (escalated, superseded by #2) at step 310: ...")
+    broker = broker_with([fired])
+    with WebhookServer() as hook:
+        env = notify_env(tmp_path, hook.json_url())
+        deliver(broker, env)
+        broker_with([superseded, escalated], broker)
+        deliver(broker, env)
+        broker_with([resolved(escalated)], broker)
+        deliver(broker, env)
+        titles = [b["title"] for b in hook.received.bodies()]
+        assert [t.split(" on run")[0] for t in titles] == [
+            "[WARNING] loss_spike firing", "[CRITICAL] loss_spike escalated", "[CRITICAL] loss_spike resolved"]
+        assert "value 9.5, threshold 4.0" in hook.received.bodies()[0]["message"]
+        # The group reset, every alert read again: nothing is sent twice.
+        replay = deliver(broker, env, group="trainmon-notify-replay")
+        assert len(hook.received.bodies()) == 3 and replay.stats["messages"] == 3
+
+
+def test_each_url_gets_what_is_at_least_its_minimum_severity(tmp_path):
+    warning = alert("run-c", "grad_norm", "run", severity="warning")
+    critical = alert("run-c", "nan", "rank0", severity="critical")
+    with WebhookServer() as hook:
+        deliver(broker_with([warning, critical]),
+                notify_env(tmp_path, f"{hook.json_url('/all')} critical={hook.json_url('/paging')}"))
+    assert [b["title"].split(" on")[0] for b in hook.received.bodies("/paging")] == ["[CRITICAL] nan firing"]
+    assert len(hook.received.bodies("/all")) == 2
+
+
+def test_the_rate_limit_per_run_holds_back_and_counts_and_the_next_message_says_so(tmp_path):
+    flood = [alert("run-d", f"rule{i}", "run", severity="warning") for i in range(5)]
+    other_run = alert("run-e", "nan", "rank0")
+    with WebhookServer() as hook:
+        sink = deliver(broker_with([*flood, other_run]),
+                       notify_env(tmp_path, hook.json_url(), notify_rate_per_min="2"))
+    runs = [b["title"].split("on run ")[1].split()[0] for b in hook.received.bodies()]
+    assert runs.count("run-d") == 2 and runs.count("run-e") == 1
+    assert sink.stats["rate_limited"] == 3
+
+
+def test_a_refused_delivery_is_retried_with_backoff_and_counted_and_sent_once(tmp_path):
+    fired = alert("run-f", "nan", "rank3", ranks=[3])
+    with WebhookServer() as hook:
+        hook.received.refuse = 2
+        sink = deliver(broker_with([fired]), notify_env(tmp_path, hook.json_url()))
+    assert hook.received.refused == 2
+    assert hook.received.event_ids() == [fired.event_id]
+    assert sink.stats["failures"] == 2
+    saved = json.loads(sink.stats_path.read_text())
+    assert saved["failures"] == 2 and saved["messages"] == 1
+
+
+def test_a_slack_url_gets_the_message_in_slacks_format(tmp_path, monkeypatch):
+    from apprise.plugins.slack import NotifySlack
+
+    fired = alert("run-g", "stall", "rank1", ranks=[1], step=77, value=None)
+    with WebhookServer() as hook:
+        # Slack's webhook host, pointed at the local server: the payload is what Slack gets.
+        monkeypatch.setattr(NotifySlack, "webhook_url", f"http://127.0.0.1:{hook.port}/services")
+        deliver(broker_with([fired]), notify_env(tmp_path, "slack://T1JJ3T3L2/A1BRTD4JD/TIiajkdnlazkcOXrIdevi7"))
+    [request] = hook.received.requests
+    assert request["path"] == "/services/T1JJ3T3L2/A1BRTD4JD/TIiajkdnlazkcOXrIdevi7"
+    text = json.dumps(request["body"])
+    assert "run-g" in text and "stall" in text and "step 77" in text and "1 rank: 1" in text
+
+
+def test_a_critical_alert_runs_the_action_once_with_its_json_and_a_replay_does_not(tmp_path):
+    out = tmp_path / "action.jsonl"
+    script = tmp_path / "action.py"
+    script.write_text("import json, os, sys\n"
+                      "alert = json.load(sys.stdin)\n"
+                      f"with open({str(out)!r}, 'a') as f:\n"
+                      "    f.write(json.dumps([alert, os.environ['TRAINMON_ALERT_RULE']]) + '\\n')\n")
+    critical = alert("run-h", "nan", "rank0", severity="critical", step=42)
+    warning = alert("run-h", "grad_norm", "run", severity="warning")
+    broker = broker_with([critical, warning, resolved(critical)])
+    env = notify_env(tmp_path, notify_actions=f"critical={sys.executable} {script}")
+    sink = deliver(broker, env)
+    runs = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(a["incident_id"], a["step"], rule) for a, rule in runs] == [(critical.incident_id, 42, "nan")]
+    assert sink.stats["actions"] == 1 and sink.stats["action_failures"] == 0
+    deliver(broker, env, group="trainmon-notify-replay")
+    assert len(out.read_text().splitlines()) == 1
+
+
+def test_an_action_past_its_timeout_is_killed_and_counted(tmp_path):
+    critical = alert("run-i", "nan", "rank0")
+    env = notify_env(tmp_path, notify_actions=f"critical={sys.executable} -c 'import time; time.sleep(60)'",
+                     notify_action_timeout_s="0.5")
+    sink = deliver(broker_with([critical]), env)
+    assert sink.stats["actions"] == 1 and sink.stats["action_failures"] == 1
+
+
+def test_messages_group_one_rule_of_one_run_and_skip_the_superseded_half_of_an_escalation():
+    burst = nan_burst("r", 3) + [alert("r", "stall", "rank1", ranks=[1]), alert("s", "nan", "rank0")]
+    superseded = alert("r", "loss_spike", "run", state="resolved", message="resolved (escalated, superseded by #2)")
+    grouped = messages.group([*burst, superseded], dashboard_url="http://grafana:3000/d/trainmon")
+    assert [(m.run_id, m.rule, m.state, len(m.alerts)) for m in grouped] == [
+        ("r", "nan", "firing", 3), ("r", "stall", "firing", 1), ("s", "nan", "firing", 1)]
+    assert "dashboard: http://grafana:3000/d/trainmon?var-run_id=r" in grouped[0].body
