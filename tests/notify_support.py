@@ -4,7 +4,9 @@ notify sink run over a MemoryBroker until what it was given is delivered."""
 
 from __future__ import annotations
 
+import email
 import json
+import socket
 import threading
 from datetime import datetime, timedelta, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -154,3 +156,43 @@ def deliver(broker: MemoryBroker, env: dict, *, group: str | None = None) -> Not
     serving.serve(sink, group=group, topic_prefix=PREFIX, open_stream=memory_streams(broker), retry=FAST,
                   until=lambda runtime: runtime.sink.context.read_to_end())
     return sink
+
+
+class MailServer:
+    """A local SMTP server (aiosmtpd) keeping every message it is given."""
+
+    def __init__(self):
+        from aiosmtpd.controller import Controller
+
+        self.messages: list = []
+        messages = self.messages
+
+        class Handler:
+            async def handle_DATA(self, server, session, envelope):
+                messages.append(envelope)
+                return "250 OK"
+
+        # aiosmtpd checks the server is up by connecting to its port: it needs one named.
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.controller = Controller(Handler(), hostname="127.0.0.1", port=self.port)
+
+    def url(self, to: str = "oncall@example.com") -> str:
+        return f"mailto://127.0.0.1:{self.port}?from=trainmon@example.com&to={to}&mode=insecure"
+
+    def texts(self) -> list[str]:
+        """Each message's subject and plain-text body."""
+        out = []
+        for envelope in self.messages:
+            mail = email.message_from_bytes(envelope.content)
+            plain = next(p for p in mail.walk() if p.get_content_type() == "text/plain")
+            out.append(f"{mail['Subject']}\n{plain.get_payload(decode=True).decode()}")
+        return out
+
+    def __enter__(self) -> "MailServer":
+        self.controller.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.controller.stop()

@@ -13,7 +13,7 @@ import pytest
 
 from trainmon.consumers.notify import messages
 
-from .notify_support import WebhookServer, alert, broker_with, deliver, nan_burst, notify_env, resolved
+from .notify_support import MailServer, WebhookServer, alert, broker_with, deliver, nan_burst, notify_env, resolved
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -99,6 +99,16 @@ def test_a_slack_url_gets_the_message_in_slacks_format(tmp_path, monkeypatch):
     assert request["path"] == "/services/T1JJ3T3L2/A1BRTD4JD/TIiajkdnlazkcOXrIdevi7"
     text = json.dumps(request["body"])
     assert "run-g" in text and "stall" in text and "step 77" in text and "1 rank: 1" in text
+
+
+def test_an_email_names_the_run_rule_step_and_ranks(tmp_path):
+    burst = nan_burst("run-mail", 16, step=4321)
+    with MailServer() as mail:
+        deliver(broker_with(burst), notify_env(tmp_path, mail.url()))
+    [text] = mail.texts()
+    assert [e.rcpt_tos for e in mail.messages] == [["oncall@example.com"]]
+    assert "[CRITICAL] nan firing on run run-mail at step 4321" in text
+    assert "16 ranks: 0, 1, 2, 3, 4, 5, 6, 7 and 8 more" in text
 
 
 def test_a_critical_alert_runs_the_action_once_with_its_json_and_a_replay_does_not(tmp_path):
