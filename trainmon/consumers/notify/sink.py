@@ -52,7 +52,9 @@ class NotifySink(runtime.Sink):
         self.prefix = topics.prefix() if topic_prefix is None else topic_prefix
         self.channels = [AppriseChannel(c, config.rate_per_minute) for c in config.channels]
         self.alertmanager = AlertmanagerClient(config.alertmanager_url) if config.alertmanager_url else None
-        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"{config.group_id}-{self.prefix}")
+        # Named by the topics, not the group: a replay under a new group must see what the
+        # usual one delivered. (So one process at a time per state directory.)
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", f"notify-{self.prefix}")
         self.state_path = Path(config.state_dir) / f"{safe}delivered.jsonl"
         self.stats_path = Path(config.state_dir) / f"{safe}stats.json"
         self.state: DeliveredLog | None = None
@@ -193,7 +195,8 @@ class NotifySink(runtime.Sink):
 
     def _saved_stats(self) -> dict:
         try:
-            return json.loads(self.stats_path.read_text())
+            saved = json.loads(self.stats_path.read_text())
+            return {k: v for k, v in saved.items() if k in self.stats}
         except (OSError, ValueError):
             return {}
 
