@@ -150,11 +150,13 @@ def notify_env(state_dir: Path, notify: str = "", **settings: str) -> dict:
     return env
 
 
-def deliver(broker: MemoryBroker, env: dict, *, group: str | None = None) -> NotifySink:
-    """The notify sink over the broker's alert topic until it has read and delivered it all."""
+def deliver(broker: MemoryBroker, env: dict, *, group: str | None = None,
+            also: Callable[[], bool] = lambda: True) -> NotifySink:
+    """The notify sink over the broker's alert topic until it has read and delivered it
+    all (and ``also()`` holds)."""
     sink = NotifySink(load_config(env), topic_prefix=PREFIX)
     serving.serve(sink, group=group, topic_prefix=PREFIX, open_stream=memory_streams(broker), retry=FAST,
-                  until=lambda runtime: runtime.sink.context.read_to_end())
+                  until=lambda runtime: runtime.sink.context.read_to_end() and also())
     return sink
 
 

@@ -12,6 +12,7 @@
     TRAINMON_NOTIFY_ACTION_TIMEOUT_S  an action's time limit (default 60)
     TRAINMON_DASHBOARD_URL        Grafana's dashboard URL; the run is added as var-run_id
     TRAINMON_NOTIFY_GROUP         its consumer group (default trainmon-notify)
+    TRAINMON_NOTIFY_REPOST_S      how often firing incidents are posted to Alertmanager again (60)
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ def load_config(env: dict | None = None, **overrides) -> NotifyConfig:
         group_wait_s=float(env.get("TRAINMON_NOTIFY_GROUP_WAIT_S", "1")),
         action_timeout_s=float(env.get("TRAINMON_NOTIFY_ACTION_TIMEOUT_S", "60")),
         dashboard_url=env.get("TRAINMON_DASHBOARD_URL") or None,
+        repost_s=float(env.get("TRAINMON_NOTIFY_REPOST_S", "60")),
     )
     settings.update({k: v for k, v in overrides.items() if v is not None})
     return NotifyConfig(**settings)
