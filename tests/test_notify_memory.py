@@ -87,6 +87,21 @@ def test_a_refused_delivery_is_retried_with_backoff_and_counted_and_sent_once(tm
     assert saved["failures"] == 2 and saved["messages"] == 1
 
 
+def test_a_url_failing_for_good_is_given_up_so_the_others_still_get_their_messages(tmp_path):
+    first, second = alert("run-j", "nan", "rank0"), alert("run-j", "stall", "rank1", ranks=[1])
+    with WebhookServer() as hook:
+        hook.received.refuse = 10**6  # the dead URL's server and the live one's: told apart by path
+        dead = f"json://127.0.0.1:{hook.port}/dead"
+        with WebhookServer() as live:
+            broker = broker_with([first])
+            env = notify_env(tmp_path, f"{dead} {live.json_url()}", notify_give_up_after_s="0.2")
+            sink = deliver(broker, env)
+            broker_with([second], broker)
+            deliver(broker, env)
+    assert live.received.event_ids() == [first.event_id, second.event_id]
+    assert sink.stats["given_up"] == 1 and sink.stats["failures"] >= 2
+
+
 def test_a_slack_url_gets_the_message_in_slacks_format(tmp_path, monkeypatch):
     from apprise.plugins.slack import NotifySlack
 

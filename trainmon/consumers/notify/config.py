@@ -13,6 +13,7 @@
     TRAINMON_DASHBOARD_URL        Grafana's dashboard URL; the run is added as var-run_id
     TRAINMON_NOTIFY_GROUP         its consumer group (default trainmon-notify)
     TRAINMON_NOTIFY_REPOST_S      how often firing incidents are posted to Alertmanager again (60)
+    TRAINMON_NOTIFY_GIVE_UP_AFTER_S  a delivery failing this long is given up, counted (600)
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ class NotifyConfig:
     # Events older than this when first read are not notified (a new group replaying a
     # month of alerts); Alertmanager still gets the resolutions.
     stale_after_s: float = 6 * 3600.0
+    # A delivery failing this long is given up (counted): the runtime retries a failed flush
+    # before reading on, so a URL gone for good would otherwise stop every delivery.
+    give_up_after_s: float = 600.0
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -116,6 +120,7 @@ def load_config(env: dict | None = None, **overrides) -> NotifyConfig:
         action_timeout_s=float(env.get("TRAINMON_NOTIFY_ACTION_TIMEOUT_S", "60")),
         dashboard_url=env.get("TRAINMON_DASHBOARD_URL") or None,
         repost_s=float(env.get("TRAINMON_NOTIFY_REPOST_S", "60")),
+        give_up_after_s=float(env.get("TRAINMON_NOTIFY_GIVE_UP_AFTER_S", "600")),
     )
     settings.update({k: v for k, v in overrides.items() if v is not None})
     return NotifyConfig(**settings)

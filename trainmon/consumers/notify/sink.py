@@ -61,8 +61,9 @@ class NotifySink(runtime.Sink):
         self.pending: list[AlertRecord] = []
         self._first_put_at: float | None = None
         self._reposted_at = 0.0
+        self._failing_since: dict[str, float] = {}  # delivery key -> when it first failed
         self.stats = {"alerts": 0, "messages": 0, "failures": 0, "rate_limited": 0, "stale": 0,
-                      "actions": 0, "action_failures": 0, "alertmanager_posts": 0}
+                      "actions": 0, "action_failures": 0, "alertmanager_posts": 0, "given_up": 0}
 
     @property
     def group(self) -> str:
@@ -163,8 +164,13 @@ class NotifySink(runtime.Sink):
             self.alertmanager.post(bodies)
         except runtime.RetriableError as exc:
             self.stats["failures"] += 1
-            return [str(exc)]
-        self.stats["alertmanager_posts"] += 1
+            if not self._give_up(f"am#{todo[0].event_id}", f"Alertmanager: {len(todo)} alert(s)"):
+                return [str(exc)]
+            # Given up: what fired is re-posted from tick all the same; what resolved ends
+            # there at the endsAt it was last posted with.
+        else:
+            self._failing_since.pop(f"am#{todo[0].event_id}", None)
+            self.stats["alertmanager_posts"] += 1
         for alert in todo:
             if alert.state == "firing":
                 self.state.set_firing(alert.model_dump(mode="json"))
@@ -186,10 +192,27 @@ class NotifySink(runtime.Sink):
                 continue
             if not channel.send(message):
                 self.stats["failures"] += 1
+                if self._give_up(keys[0], f"{channel.name}: {message.title}"):
+                    self.state.mark(keys)
+                    continue
                 return [f"{channel.name} refused or unreachable"]  # its next ones wait for the retry
+            self._failing_since.pop(keys[0], None)
             self.stats["messages"] += 1
             self.state.mark(keys)
         return []
+
+    def _give_up(self, key: str, what: str) -> bool:
+        """Whether a delivery failing since long enough is given up: a URL gone for good
+        must not hold back every other delivery (the runtime retries a failed flush
+        before it reads anything new)."""
+        now = time.monotonic()
+        since = self._failing_since.setdefault(key, now)
+        if now - since < self.config.give_up_after_s:
+            return False
+        del self._failing_since[key]
+        self.stats["given_up"] += 1
+        log.error("trainmon notify: gave up on %s after %.0f s of failures", what, now - since)
+        return True
 
     # -- counts, for trainmon status -------------------------------------------------------
 
