@@ -8,7 +8,7 @@
                                   or ``rule:NAME``, e.g. ``rule:nan=scancel $SLURM_JOB_ID``
     TRAINMON_NOTIFY_STATE_DIR     the delivered-state file (default ./trainmon-data/notify)
     TRAINMON_NOTIFY_RATE_PER_MIN  messages per run per URL per minute (default 20)
-    TRAINMON_NOTIFY_GROUP_WAIT_S  how long a burst is gathered into one message (default 1)
+    TRAINMON_NOTIFY_GROUP_WAIT_S  how long a burst is gathered into one message (default 0.5)
     TRAINMON_NOTIFY_ACTION_TIMEOUT_S  an action's time limit (default 60)
     TRAINMON_DASHBOARD_URL        Grafana's dashboard URL; the run is added as var-run_id
     TRAINMON_NOTIFY_GROUP         its consumer group (default trainmon-notify)
@@ -56,7 +56,7 @@ class NotifyConfig:
     state_dir: Path = Path("trainmon-data/notify")
     group_id: str = "trainmon-notify"
     rate_per_minute: int = 20
-    group_wait_s: float = 1.0
+    group_wait_s: float = 0.5
     action_timeout_s: float = 60.0
     dashboard_url: str | None = None
     job: str = "trainmon"
@@ -116,7 +116,7 @@ def load_config(env: dict | None = None, **overrides) -> NotifyConfig:
         state_dir=Path(env.get("TRAINMON_NOTIFY_STATE_DIR", "trainmon-data/notify")),
         group_id=env.get("TRAINMON_NOTIFY_GROUP", "trainmon-notify"),
         rate_per_minute=int(env.get("TRAINMON_NOTIFY_RATE_PER_MIN", "20")),
-        group_wait_s=float(env.get("TRAINMON_NOTIFY_GROUP_WAIT_S", "1")),
+        group_wait_s=float(env.get("TRAINMON_NOTIFY_GROUP_WAIT_S", "0.5")),
         action_timeout_s=float(env.get("TRAINMON_NOTIFY_ACTION_TIMEOUT_S", "60")),
         dashboard_url=env.get("TRAINMON_DASHBOARD_URL") or None,
         repost_s=float(env.get("TRAINMON_NOTIFY_REPOST_S", "60")),
