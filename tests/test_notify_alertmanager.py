@@ -18,7 +18,8 @@ from .notify_support import WebhookServer, alert, broker_with, deliver, notify_e
 from .test_alerts_rules import TEST_SETTINGS, at, on_rank
 from .waiting import wait_until
 
-pytestmark = pytest.mark.timeout(900)  # the first run builds Alertmanager
+# A service of its own (slow); the first run builds Alertmanager.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 RUN = "am-run"
 
 
