@@ -386,8 +386,20 @@ def show_status(stack: Path) -> int:
                 lag = f", lag {lag:,} records"
             except KafkaError:
                 lag = ", lag unknown"
-        print(f"{name:<15} {state}, {s['restarts']} restarts{last}{lag}")
+        print(f"{name:<15} {state}, {s['restarts']} restarts{last}{lag}{_delivery_counts(stack, name)}")
     return 0 if running and _all_running(status) else 1
+
+
+def _delivery_counts(stack: Path, service: str) -> str:
+    """The notify sink's failed and given-up deliveries, from the counts it writes."""
+    if service != "notify":
+        return ""
+    try:
+        counts = json.loads(next((stack / "notify").glob("notify-*.stats.json")).read_text())
+    except (StopIteration, OSError, ValueError):
+        return ""
+    return (f", {counts.get('messages', 0)} messages, {counts.get('failures', 0)} failed sends, "
+            f"{counts.get('given_up', 0)} given up")
 
 
 def show_logs(stack: Path, name: str, lines: int, follow: bool) -> int:
@@ -469,6 +481,10 @@ def build_parser(action: str) -> argparse.ArgumentParser:
                             help="the name the compute nodes use for this host (default: --listen)")
         parser.add_argument("--brokers", type=int, default=1, choices=(1, 3),
                             help="Kafka brokers: 1, or 3 that replicate every topic (default 1)")
+        parser.add_argument("--notify", action="append", default=[], metavar="[SEVERITY=]URL",
+                            help="tell a person of each alert: an apprise URL (slack://, mailto://, "
+                                 "json://, ...), with its minimum severity; again for more (docs/notify.md)")
+        parser.add_argument("--alertmanager", metavar="URL", help="post every incident to this Alertmanager")
         for what in ("cert", "key", "ca"):
             parser.add_argument(f"--tls-{what}", type=Path, metavar="PEM",
                                 help=f"your site's TLS {what} (default: up makes a CA and a certificate)")
@@ -512,7 +528,11 @@ def main(argv: list[str] | None = None) -> int:
     if tls and len(tls) != 3:
         parser.error("--tls-cert, --tls-key and --tls-ca go together")
     layout = Layout(port=args.port, listen=args.listen, public_host=args.public_host, brokers=args.brokers)
-    return up(stack, layout, extra, args.ui, tls=tls or None)
+    paging = {"TRAINMON_NOTIFY": " ".join(args.notify), "TRAINMON_ALERTMANAGER_URL": args.alertmanager or ""}
+    paging = {name: value for name, value in paging.items() if value}
+    if paging and "notify" not in extra:
+        extra.append("notify")  # (trainmon consume notify delivers them)
+    return up(stack, layout, extra, args.ui, env=paging or None, tls=tls or None)
 
 
 if __name__ == "__main__":
