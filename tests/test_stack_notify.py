@@ -1,15 +1,20 @@
 """`trainmon up --notify URL`: a NaN at 3 a.m. reaches a person, not only a table. The stack
 (Kafka, ClickHouse, alerts, and the notify sink the flag adds) pages a local webhook when
-a rank's loss goes NaN; `trainmon status` counts the messages."""
+a rank's loss goes NaN; `trainmon status` counts the messages. And the stack's store is
+read as any ClickHouse server is: clickhouse-connect over HTTP, as the read-only viewer a
+dashboard uses, gets the job's rows and may not write."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import clickhouse_connect
+
 import pytest
 
 from trainmon.broker import free_port
+from trainmon.consumers.clickhouse.sql_endpoint import find_endpoint
 
 from .notify_support import WebhookServer
 from .test_stack import REPO, job_env, trainmon
@@ -44,5 +49,14 @@ def test_up_with_notify_pages_a_webhook_on_a_nan(tmp_path):
             assert "paged-run" in text and "40" in text  # names the run and the step
             shown = trainmon("status", "--dir", str(stack_dir)).stdout
             assert "notify" in shown and "failed sends" in shown, shown
+
+            endpoint = find_endpoint(stack_dir / "clickhouse")
+            viewer = clickhouse_connect.get_client(
+                host="127.0.0.1", port=endpoint["port"], interface="http", username=endpoint["viewer"],
+                password=endpoint["viewer_password"], database="trainmon")
+            rows = viewer.query("SELECT count() FROM step FINAL WHERE run_id = 'paged-run'").result_rows
+            assert rows == [(60,)]
+            with pytest.raises(Exception, match="readonly|READONLY"):
+                viewer.command("DROP TABLE step")
         finally:
             trainmon("down", "--dir", str(stack_dir))
