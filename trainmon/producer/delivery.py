@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 from ..backoff import Backoff
@@ -25,12 +26,18 @@ from .spill import SpillFile, claim_orphans
 
 log = logging.getLogger("trainmon.producer")
 
-# Records sent again from the backlog go in batches of about this size; the thread waits
-# for Kafka's answer to each batch (every message fails within the delivery timeout, 5 s,
-# while the broker is away) before the next, and returns to the queue after BACKLOG_TURN_S.
+# Records sent again from the backlog go in batches of about this size, one in flight at a
+# time; Kafka answers every message within the delivery timeout (5 s) even while the broker
+# is away, so answers still missing after _ANSWERS_WITHIN_S are waited for.
 _BACKLOG_BATCH_BYTES = 8 << 20
 _ANSWERS_WITHIN_S = 10.0
-BACKLOG_TURN_S = 1.0
+
+
+@dataclass
+class _Resend:
+    records: int
+    failed: list[Entry]  # the batch's messages Kafka gave up on (its own failure handler)
+    since: float  # monotonic time it was handed over
 
 
 class Delivery:
@@ -48,6 +55,7 @@ class Delivery:
         self.sent = 0
         self.dropped = 0  # records that could be kept neither in Kafka, nor on disk, nor in memory
         self.retry_at = 0.0  # no sends before this monotonic time
+        self._resending: _Resend | None = None  # a batch of the backlog Kafka has not answered yet
         self._backoff = Backoff(first_s=0.5, max_s=5.0)
         self._disk_error_reported = False
         self._drop_reported = False
@@ -57,10 +65,14 @@ class Delivery:
         if time.monotonic() < self.retry_at:
             self.keep(messages)
             return False
-        if self.backlog.records:
-            # Older records wait for Kafka: these go behind them, in order.
+        if self.backlog.records and not self.resend():
+            # Older records still wait on disk: these go behind them, in order. (Once all
+            # of the backlog is in Kafka's hands, fresh messages follow it straight, not
+            # through the file: a loop logging faster than the sender drains, whose queue
+            # overflowed into the spill file, would otherwise write and read back every
+            # record.)
             self.keep(messages)
-            return self.send_backlog(time.monotonic() + BACKLOG_TURN_S) and bool(messages)
+            return False
         for i, entry in enumerate(messages):
             try:
                 self.transport.send(entry)
@@ -78,49 +90,73 @@ class Delivery:
                      reason, self.spill.path)
         self.retry_at = time.monotonic() + self._backoff.next()
 
-    def send_backlog(self, until: float, answers_by: float | None = None) -> bool:
-        """Send what waits for Kafka, oldest first, one batch at a time, until it is all
-        acknowledged (True) or Kafka fails one (False: back off) or ``until`` passes.
+    def resend(self, wait_until: float | None = None) -> bool:
+        """Move the resend of the backlog on, oldest first, one batch at a time; True
+        when all of it is in Kafka's hands (newer messages may follow it straight),
+        False while part of it still waits on disk or Kafka failed a batch (back off).
 
         A batch stays in the spill file while it is in flight and is dropped from it only
         once Kafka has answered every message in it (a write-ahead log): a rank killed
-        during the resend keeps it. Waiting for the answers holds the sender thread (not
-        the training loop, whose records queue meanwhile) at most the delivery timeout, or
-        until ``answers_by`` (a flush's deadline). A batch given up on before its answers
-        came is sent again later: a record may reach Kafka twice, never zero times."""
-        while self.backlog.records:
-            try:
-                batch = self.backlog.peek(_BACKLOG_BATCH_BYTES)
-            except OSError as exc:  # the disk failing under the file: try again later
-                log.error("trainmon: cannot read back the spill file %s: %s", self.spill.path, exc)
-                self._unreachable(exc)
+        during the resend keeps it. The answers are collected at the sender's next turns,
+        without waiting for them, unless ``wait_until`` (a flush's deadline) says to, or
+        they are overdue (answers to newer messages kept the client busy): then the
+        thread waits for them. A batch given up on before its answers came is sent again
+        later: a record may reach Kafka twice, never zero times."""
+        while True:
+            if self._resending is not None:
+                self.transport.serve()
+                if self.transport.in_flight:
+                    now = time.monotonic()
+                    waited = now - self._resending.since
+                    if (wait_until is not None and now < wait_until) or waited > _ANSWERS_WITHIN_S:
+                        limit = wait_until if wait_until is not None else now + _ANSWERS_WITHIN_S
+                        if not self.transport.flush(max(0.05, min(limit - now, _ANSWERS_WITHIN_S))) \
+                                and waited > 2 * _ANSWERS_WITHIN_S:
+                            self._resending = None  # unanswered: still on disk, sent again
+                            self._unreachable("no answer from Kafka")
+                            return False
+                        continue
+                    return self.backlog.records == self._resending.records
+                if not self._confirm():
+                    return False
+            if not self.backlog.records:
+                return True
+            if not self._hand_over():
                 return False
-            failed: list[Entry] = []
-            try:
-                for entry in batch:
-                    self.transport.send(entry, on_undelivered=failed.extend)
-            except TransportUnavailable as exc:
-                self._unreachable(exc)
-                return False  # (what was handed over may still arrive: at worst sent twice)
-            wait = _ANSWERS_WITHIN_S if answers_by is None else answers_by - time.monotonic()
-            if not self.transport.flush(max(0.1, min(_ANSWERS_WITHIN_S, wait))):
-                self._unreachable("no answer from Kafka")  # unanswered: still on disk
-                return False
-            records = sum(count(value) for _, _, value in batch)
-            lost_again = sum(count(value) for _, _, value in failed)
-            if lost_again == records:
-                self._unreachable("Kafka took none of the records sent again")
-                return False
-            if failed:
-                # Kafka took part of the batch: the rest joins the end before the batch
-                # is let go, so it is on disk (or in memory) at every moment.
-                self.keep(failed)
-            self.backlog.acknowledge()
-            self.sent += records - lost_again
-            self._backoff.reset()
-            if time.monotonic() >= until:
-                break
-        return not self.backlog.records
+
+    def _hand_over(self) -> bool:
+        """The backlog's oldest batch (about _BACKLOG_BATCH_BYTES) to Kafka, left on disk."""
+        try:
+            batch = self.backlog.peek(_BACKLOG_BATCH_BYTES)
+        except OSError as exc:  # the disk failing under the file: try again later
+            log.error("trainmon: cannot read back the spill file %s: %s", self.spill.path, exc)
+            self._unreachable(exc)
+            return False
+        failed: list[Entry] = []
+        try:
+            for entry in batch:
+                self.transport.send(entry, on_undelivered=failed.extend)
+        except TransportUnavailable as exc:
+            self._unreachable(exc)
+            return False  # (what was handed over may still arrive: at worst sent twice)
+        self._resending = _Resend(sum(count(value) for _, _, value in batch), failed, time.monotonic())
+        return True
+
+    def _confirm(self) -> bool:
+        """Kafka answered every message of the batch in flight: let it go, but for what
+        failed, which joins the end first (so it is on disk, or in memory, at every
+        moment); False where none of it got through (back off)."""
+        resent, self._resending = self._resending, None
+        lost_again = sum(count(value) for _, _, value in resent.failed)
+        if lost_again == resent.records:
+            self._unreachable("Kafka took none of the records sent again")
+            return False
+        if resent.failed:
+            self.keep(resent.failed)
+        self.backlog.acknowledge()
+        self.sent += resent.records - lost_again
+        self._backoff.reset()
+        return True
 
     def undelivered(self, entries: list[Entry]) -> None:
         """Kafka gave up on these: into the backlog, and no new sends until the backoff
@@ -170,7 +206,7 @@ class Delivery:
         # acknowledgements come.
         while True:
             while self.backlog.records and time.monotonic() < deadline:
-                if not self.send_backlog(deadline, answers_by=deadline):
+                if not self.resend(wait_until=deadline):
                     time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
             remaining = deadline - time.monotonic()
             flushed = remaining > 0 and self.transport.flush(remaining)

@@ -84,7 +84,7 @@ class SpillFile:
     def read(self, max_bytes: int) -> list[Entry]:
         """The oldest entries, about max_bytes of them (at least one), left in the file
         until :meth:`acknowledge`."""
-        with self._lock:
+        with self._lock:  # (only the reads: a log call appending must not wait for parsing)
             self._read_end = self._read_records = 0
             if self._fd is None or self.count == 0:
                 return []
@@ -95,9 +95,9 @@ class SpillFile:
                 end = data.rfind(b"\n") + 1
                 if end or not chunk:
                     break
-            entries = _load(data[:end].decode())
-            self._read_end = end
-            self._read_records = sum(count(value) for _, _, value in entries)
+        entries = _load(data[:end].decode())
+        self._read_end = end  # (only the sender thread reads and acknowledges)
+        self._read_records = sum(count(value) for _, _, value in entries)
         return entries
 
     def acknowledge(self) -> None:
