@@ -23,7 +23,9 @@ from trainmon.schemas import count
 from .clickhouse_service import REPO, ClickHouseService, trainmon_env
 from .waiting import wait_until
 
-pytestmark = pytest.mark.usefixtures("both_clients")
+# On librdkafka, the default client: the write-ahead log is the producer's, the same for
+# either transport, and test_producer_outage.py resends through both; the memory bound is
+# also tested in memory (test_producer_backlog_memory.py). One client halves the ~3 min.
 
 # What a kill may cost: records Kafka has not given up on yet (its 5 s delivery timeout),
 # the pack window (0.8 s) and the interval at which the sender collects Kafka's reports (2 s).
