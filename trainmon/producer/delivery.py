@@ -3,9 +3,9 @@
 Fresh messages go straight to the transport. What Kafka gives up on (no acknowledgement
 within the delivery timeout: the broker is away), or cannot take at all, goes to the
 backlog (the spill file, a write-ahead log; memory where the disk cannot be written; see
-backlog.py), and from then on newer messages join it behind, in order, until the backlog
-has been sent again and acknowledged. Tries wait out one backoff policy (0.5 s, doubling
-to 5 s). Everything here runs on the sender thread, except :meth:`undelivered`, which
+backlog.py), and from then on newer messages join it behind, in order, until all of the
+backlog is in Kafka's hands again; it leaves the file only once Kafka has answered it
+(see :meth:`Delivery.resend`). Tries wait out one backoff policy (0.5 s, doubling to 5 s). Everything here runs on the sender thread, except :meth:`undelivered`, which
 runs where the client reports failures (inside a serve or flush for librdkafka,
 kafka-python's own thread), and :meth:`keep` from a log call that found the queue full.
 """
