@@ -1,6 +1,7 @@
 """Clients that a secured stack must refuse, for test_cluster_hosts.py (run on a node).
 
     python -m tests.cluster_probe MODE SPILL_DIR      (the writer's env, from the stack)
+    python -m tests.cluster_probe topic-ends STACK_DIR (on the stack's host: as its admin)
 
 MODE: no-credentials (TLS, no SASL), wrong-password, plaintext (to the TLS listener),
 no-ca (the stack's CA file not given), unknown-principal (a user the stack never made,
@@ -15,6 +16,7 @@ import logging
 import os
 import sys
 import time
+from pathlib import Path
 
 from trainmon.kafka_client import Consumer, KafkaError, settings
 from trainmon.producer import Producer, ProducerConfig
@@ -86,6 +88,26 @@ def consume(spill_dir: str) -> dict:
     return {"error": error, "after_s": time.monotonic() - began, "read": 0}
 
 
+def topic_ends(stack_dir: str) -> dict[str, int]:
+    """Each topic's records in all (its partitions' end offsets added up), as the stack's admin."""
+    from trainmon.kafka_client import TopicPartition
+    from trainmon.stack import broker_of
+
+    kafka = broker_of(Path(stack_dir))
+    consumer = Consumer(env=kafka.client_env(), bootstrap=kafka.bootstrap)
+    try:
+        ends = {}
+        for topic in sorted(consumer.topics()):
+            partitions = [TopicPartition(topic, p) for p in consumer.partitions_for(topic)]
+            ends[topic] = sum(consumer.end_offsets(partitions).values())
+        return ends
+    finally:
+        consumer.close()
+
+
 if __name__ == "__main__":
-    mode, spill = sys.argv[1], sys.argv[2]
-    print(json.dumps(consume(spill) if mode == "writer-consumes" else produce(mode, spill)), flush=True)
+    mode, where = sys.argv[1], sys.argv[2]
+    if mode == "topic-ends":
+        print(json.dumps(topic_ends(where)), flush=True)
+    else:
+        print(json.dumps(consume(where) if mode == "writer-consumes" else produce(mode, where)), flush=True)

@@ -67,10 +67,8 @@ def wait_for_rows(hosts, stack_dir: Path, query: str, expected, timeout: float =
 
 def topic_ends(hosts, stack_dir: Path) -> dict:
     """Every topic's end offsets, asked as the stack's admin on the stack's host."""
-    code = ("import json, sys; from trainmon import stack; "
-            "print(json.dumps(stack.topic_end_offsets(stack.Path(sys.argv[1]))))")
-    done = hosts.run("stack", [sys.executable, "-c", code, str(stack_dir)], capture_output=True,
-                     text=True, timeout=60, cwd=REPO)
+    done = hosts.run("stack", [sys.executable, "-m", "tests.cluster_probe", "topic-ends", str(stack_dir)],
+                     capture_output=True, text=True, timeout=60, cwd=REPO)
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout)
 

@@ -263,22 +263,6 @@ def job_env_lines(kafka: Broker | Cluster, stack: Path) -> list[str]:
     return [f"export {name}={value}" for name, value in kafka.client_env("writer").items()]
 
 
-def topic_end_offsets(stack: Path) -> dict[str, int]:
-    """Each topic's records in all (its partitions' end offsets added up), as the admin."""
-    from .kafka_client import Consumer, TopicPartition
-
-    kafka = broker_of(stack)
-    consumer = Consumer(env=kafka.client_env(), bootstrap=kafka.bootstrap)
-    try:
-        ends = {}
-        for topic in sorted(consumer.topics()):
-            partitions = [TopicPartition(topic, p) for p in consumer.partitions_for(topic)]
-            ends[topic] = sum(consumer.end_offsets(partitions).values())
-        return ends
-    finally:
-        consumer.close()
-
-
 def up(stack: Path, layout: Layout, extra: list[str], ui: str | None, timeout: float = 90.0,
        env: dict | None = None, announce: bool = True, tls: dict | None = None) -> int:
     """``env``: settings for the services (the demo's shorter alert windows); ``tls``: the
