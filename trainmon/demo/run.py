@@ -155,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
         _wait_for(lambda: _rows(target, "SELECT count() AS n FROM trainmon.alert FINAL "
                                         "WHERE state = 'resolved'")[0]["n"] > 0, 20)
         time.sleep(2)  # the last alerts in flight land in their next batch
-        stack.down(stack_dir, announce=False)  # the services write what they hold, then stop
+        progress("stopping the stack as 'trainmon down' does: each service writes what it holds")
+        stopping = time.monotonic()
+        stack.down(stack_dir, announce=False)
+        print(f"   stopped in {time.monotonic() - stopping:.1f} s")
 
         progress("what happened")
         from .report import check_injected, print_summary, write_report
