@@ -8,7 +8,8 @@ while a retry is in flight included) leaves it in the file. A producer that star
 claims files whose lock is free (their owner exited or was killed) and sends what they
 hold, so records outlive the process that logged them. A kill can at worst leave a
 record both in Kafka and in the file: it is sent twice, and every consumer keeps one row
-per event id.
+per event id. Writes are not fsync'd: a killed process loses nothing the kernel holds, a
+machine that loses power can lose the file's last seconds.
 """
 
 from __future__ import annotations
