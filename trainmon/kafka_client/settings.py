@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 
 DEFAULT_BOOTSTRAP = "127.0.0.1:9092"
@@ -98,31 +99,33 @@ def _report_error(error) -> None:
 # client that meets one keeps trying (and the producer keeps the records, as during an
 # outage): a setting, not time, fixes it, so it is said as an error naming the setting.
 _CAUSES = [
-    ("SASL authentication error", "Kafka refused the login: the user or password is wrong "
+    (r"SASL authentication error", "Kafka refused the login: the user or password is wrong "
      "(TRAINMON_KAFKA_SASL_USERNAME, TRAINMON_KAFKA_SASL_PASSWORD)"),
-    ("certificate verify failed", "Kafka's TLS certificate is not trusted: TRAINMON_KAFKA_SSL_CAFILE "
+    (r"certificate verify failed", "Kafka's TLS certificate is not trusted: TRAINMON_KAFKA_SSL_CAFILE "
      "must name the CA file of the stack (`trainmon up` printed it)"),
-    ("SSL handshake failed", "TLS with Kafka failed: check TRAINMON_KAFKA_SSL_CAFILE and "
+    (r"SSL handshake failed", "TLS with Kafka failed: check TRAINMON_KAFKA_SSL_CAFILE and "
      "TRAINMON_KAFKA_SECURITY_PROTOCOL"),
-    ("incorrect security.protocol", "Kafka's listener wants TLS: set TRAINMON_KAFKA_SECURITY_PROTOCOL "
+    (r"incorrect security\.protocol", "Kafka's listener wants TLS: set TRAINMON_KAFKA_SECURITY_PROTOCOL "
      "(SASL_SSL for a `trainmon up --listen` stack)"),
-    # (plain text to a TLS listener: the broker drops the connection at the first request)
-    ("connection closed by peer: receive 0 after POLLIN (after", "Kafka closed the connection at "
-     "its first request: its listener wants TLS (TRAINMON_KAFKA_SECURITY_PROTOCOL=SASL_SSL for a "
-     "`trainmon up --listen` stack)"),
-    # (TLS without a SASL login to a SASL_SSL listener)
-    ("SSL connection closed by peer", "Kafka closed the TLS connection at once: it wants a login "
-     "(TRAINMON_KAFKA_SECURITY_PROTOCOL=SASL_SSL, TRAINMON_KAFKA_SASL_MECHANISM, _SASL_USERNAME, "
-     "_SASL_PASSWORD)"),
-    ("uthorization failed", "Kafka refused the request: this user may not do it (a training job's "
+    # Plain text to a TLS listener: the broker drops the connection at its first request.
+    # (Only then: a connection up for a while and closed is a broker going away.)
+    (r"connection closed by peer: receive 0 after POLLIN \(after \d+ms in state APIVERSION_QUERY\)",
+     "Kafka closed the connection at its first request: its listener wants TLS "
+     "(TRAINMON_KAFKA_SECURITY_PROTOCOL=SASL_SSL for a `trainmon up --listen` stack)"),
+    # TLS without a SASL login to a SASL_SSL listener: closed within a second of opening.
+    (r"SSL connection closed by peer \(after \d{1,3}ms in state UP\)", "Kafka closed the TLS "
+     "connection at once: it wants a login (TRAINMON_KAFKA_SECURITY_PROTOCOL=SASL_SSL, "
+     "TRAINMON_KAFKA_SASL_MECHANISM, _SASL_USERNAME, _SASL_PASSWORD)"),
+    (r"uthorization failed", "Kafka refused the request: this user may not do it (a training job's "
      "writer may only produce to the record topics; consumers need the reader or admin)"),
 ]
+_CAUSE_PATTERNS = [(re.compile(words), cause) for words, cause in _CAUSES]
 
 
 def cause_of(text: str) -> str | None:
     """What to check, where ``text`` (a librdkafka error or log line) names a setting's fault."""
-    for words, cause in _CAUSES:
-        if words in text:
+    for words, cause in _CAUSE_PATTERNS:
+        if words.search(text):
             return cause
     return None
 
