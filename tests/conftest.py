@@ -141,6 +141,14 @@ def read_records(bootstrap: str, prefix: str, kind: str, expected: int, timeout:
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture
+def unwritable_spill(tmp_path) -> Path:
+    """A spill directory that cannot be made: a regular file stands in its path."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("a file where the spill directory should be")
+    return blocker / "spill"
+
+
 @pytest.fixture(params=["confluent-kafka", "kafka-python"])
 def both_clients(request, monkeypatch) -> str:
     """Run a producer test once per transport (``pytestmark = usefixtures("both_clients")``):

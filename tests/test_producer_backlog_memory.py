@@ -8,9 +8,6 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-from pathlib import Path
-
-import pytest
 
 from trainmon.kafka_client.memory_transport import MemoryBroker
 from trainmon.producer import Producer, ProducerConfig
@@ -83,14 +80,6 @@ def test_an_orphan_is_deleted_only_once_its_records_are_on_disk_again(tmp_path):
 
 
 # -- the producer over a MemoryBroker ------------------------------------------------------
-
-@pytest.fixture
-def unwritable_spill(tmp_path) -> Path:
-    """A spill directory that cannot be made: a regular file stands in its path."""
-    blocker = tmp_path / "not-a-directory"
-    blocker.write_text("a file where the spill directory should be")
-    return blocker / "spill"
-
 
 def producer_for(broker: MemoryBroker, tmp_path, **config) -> Producer:
     config.setdefault("spill_dir", tmp_path / "spill")

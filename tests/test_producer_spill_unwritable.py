@@ -20,11 +20,9 @@ def closed_port() -> int:
 
 @pytest.mark.kafka  # the Kafka client with no broker (in memory: test_producer_backlog_memory)
 @pytest.mark.slow
-def test_unwritable_spill_and_no_broker_never_raise_and_count_the_drop(tmp_path, caplog):
-    blocker = tmp_path / "not-a-directory"
-    blocker.write_text("a file where the spill directory should be")
+def test_unwritable_spill_and_no_broker_never_raise_and_count_the_drop(unwritable_spill, caplog):
     producer = Producer(ProducerConfig(bootstrap=f"127.0.0.1:{closed_port()}", run_id="no-disk",
-                                       spill_dir=blocker / "spill", queue_size=500))
+                                       spill_dir=unwritable_spill, queue_size=500))
     caplog.set_level(logging.ERROR, logger="trainmon.producer")
     logged = 5_000
     for step in range(logged):  # never raises, whatever the sender thread meets

@@ -109,14 +109,12 @@ def test_rank_killed_while_its_spill_is_resent_loses_only_its_last_seconds(own_b
 
 @pytest.mark.kafka
 @pytest.mark.slow
-def test_unwritable_spill_keeps_records_in_memory_until_a_late_broker_comes(tmp_path, caplog):
+def test_unwritable_spill_keeps_records_in_memory_until_a_late_broker_comes(tmp_path, unwritable_spill, caplog):
     prefix, run_id = "late.", "no-disk-late-broker"
-    blocker = tmp_path / "not-a-directory"
-    blocker.write_text("a file where the spill directory should be")
     broker = Broker(tmp_path / "kafka", port=free_port())
     bound = 5_000
     producer = Producer(ProducerConfig(bootstrap=broker.bootstrap, run_id=run_id, topic_prefix=prefix,
-                                       spill_dir=blocker / "spill", queue_size=bound))
+                                       spill_dir=unwritable_spill, queue_size=bound))
     caplog.set_level(logging.ERROR, logger="trainmon.producer")
     started, step, most_held, most_queued = time.monotonic(), 0, 0, 0
     try:
@@ -156,11 +154,9 @@ def test_unwritable_spill_keeps_records_in_memory_until_a_late_broker_comes(tmp_
 
 @pytest.mark.kafka  # the Kafka clients' own delivery timeouts, no broker (in memory: test_producer_backlog_memory)
 @pytest.mark.slow
-def test_beyond_the_memory_bound_records_are_dropped_counted_and_said_once(tmp_path, caplog):
-    blocker = tmp_path / "not-a-directory"
-    blocker.write_text("a file where the spill directory should be")
+def test_beyond_the_memory_bound_records_are_dropped_counted_and_said_once(unwritable_spill, caplog):
     producer = Producer(ProducerConfig(bootstrap=f"127.0.0.1:{free_port()}", run_id="bound",
-                                       spill_dir=blocker / "spill", queue_size=300))
+                                       spill_dir=unwritable_spill, queue_size=300))
     caplog.set_level(logging.ERROR, logger="trainmon.producer")
     for step in range(3_000):
         assert producer.log_step(step, loss=2.0) is True
