@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from functools import cache
 
 from pydantic import ValidationError
@@ -40,6 +41,8 @@ from .records import (
     RunRecord,
     StepRecord,
 )
+
+log = logging.getLogger("trainmon.schemas")
 
 # kind -> model, every model of records.py in its order (each registers itself).
 RECORD_TYPES: dict[str, type[Record]] = dict(Record.registry)
@@ -97,25 +100,73 @@ def decode(kind: str, data: bytes) -> Record:
         # record), on the path every record a consumer reads takes.
         return model.__pydantic_validator__.validate_json(data)
     except ValidationError as exc:
-        version = _schema_version(data)
-        if version is not None and version != SCHEMA_VERSION:
-            raise DecodeError(kind, f"unsupported schema_version {version!r} "
-                                    f"(this trainmon reads {SCHEMA_VERSION})") from exc
+        # Only records that fail the strict check get here: the common path pays nothing.
+        try:
+            obj = _json_object(data)
+            version = obj.get("schema_version") if obj is not None else None
+            if version is not None and version != SCHEMA_VERSION:
+                raise DecodeError(kind, _unsupported(version)) from exc
+            unknown = [e["loc"] for e in exc.errors(include_url=False) if e["type"] == "extra_forbidden"]
+            if unknown and obj is not None:
+                return _without_unknown_fields(model, kind, obj, unknown)
+        except DecodeError:
+            raise
+        except Exception as again:  # noqa: BLE001 -- as below: odd input costs its record only
+            raise DecodeError(kind, f"cannot decode: {type(again).__name__}: {again}"[:500]) from exc
         raise DecodeError(kind, _one_line(exc)) from exc
     except Exception as exc:  # a validator or the parser itself failing on odd input
         raise DecodeError(kind, f"cannot decode: {type(exc).__name__}: {exc}"[:500]) from exc
 
 
-def _schema_version(data: bytes):
-    """The schema_version of a JSON object, if it has one. Only a top-level object is
-    worth parsing for it: anything else (e.g. deeply nested arrays, which would make
-    Python's recursive json parser raise RecursionError) has none."""
+def _unsupported(version) -> str:
+    reason = f"unsupported schema_version {version!r} (this trainmon reads {SCHEMA_VERSION})"
+    if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
+        # A newer major version (docs/upgrades.md): not a bad record, one this consumer
+        # cannot read right. Its topic keeps it; the dead letter says what to do.
+        reason += (": parked, a newer producer's record; upgrade this consumer and replay the "
+                   "topic to load it")
+    return reason
+
+
+# (kind, dotted field) -> records loaded without that field since the process started:
+# fields a newer producer added that this trainmon does not know (docs/upgrades.md).
+UNKNOWN_FIELDS: dict[tuple[str, str], int] = {}
+
+
+def _without_unknown_fields(model: type[Record], kind: str, obj: dict, unknown: list[tuple]) -> Record:
+    """The record without the fields this trainmon does not know, each said once."""
+    names = []
+    for loc in unknown:
+        parent = obj
+        for part in loc[:-1]:
+            parent = parent[part]
+        parent.pop(loc[-1], None)
+        names.append(".".join(str(part) for part in loc if not isinstance(part, int)))
+    try:
+        record = model.__pydantic_validator__.validate_python(obj)
+    except ValidationError as exc:
+        raise DecodeError(kind, _one_line(exc)) from exc
+    for name in dict.fromkeys(names):
+        seen = UNKNOWN_FIELDS.get((kind, name), 0)
+        UNKNOWN_FIELDS[(kind, name)] = seen + 1
+        if not seen:
+            log.warning("trainmon: %s records carry the field %r, which this trainmon does not know "
+                        "(a newer producer's addition): loaded without it; upgrade this consumer and "
+                        "replay the topic to keep it (said once per field)", kind, name)
+    return record
+
+
+def _json_object(data: bytes) -> dict | None:
+    """``data`` parsed, when it is a JSON object. Only a top-level object is worth
+    parsing: anything else (e.g. deeply nested arrays, which would make Python's
+    recursive json parser raise RecursionError) is not a record."""
     if data.lstrip()[:1] not in (b"{", "{"):
         return None
     try:
-        return json.loads(data).get("schema_version")
-    except (ValueError, AttributeError, RecursionError):
+        obj = json.loads(data)
+    except (ValueError, RecursionError):
         return None
+    return obj if isinstance(obj, dict) else None
 
 
 def _one_line(exc: ValidationError) -> str:
@@ -150,7 +201,7 @@ def schema_fingerprint() -> bytes:
 __all__ = [
     "MAX_MESSAGE_BYTES", "MAX_RECORDS_PER_MESSAGE", "RECORD_TYPES", "SCHEMA_HEADER", "SCHEMA_VERSION",
     "STEP_KINDS", "DecodeError", "Record", "count", "decode", "encode", "json_schemas", "pack",
-    "schema_fingerprint", "unpack",
+    "UNKNOWN_FIELDS", "schema_fingerprint", "unpack",
     "StepRecord", "EvalRecord", "MoeRecord", "GpuRecord", "AllocatorRecord", "AllocatorSegment",
     "DatasetRecord", "GpuModelRecord", "RunRecord", "AlertRecord", "GpuHealthRecord",
     "CheckpointRecord", "DiskRecord", "LogEventRecord",

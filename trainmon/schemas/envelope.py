@@ -7,6 +7,14 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+# The record schemas' major version, sent in every record's ``schema_version``. It changes
+# only with a change an older consumer cannot read right: a field removed, renamed,
+# retyped, made required or given a new meaning. Additions -- an optional field, a new
+# record kind, a wider bound -- keep it: a consumer ignores the fields it does not know
+# (``schemas.decode``) and loads the rest, and the new field reaches its tables after it
+# is upgraded and replays the topic. A record of a major version newer than the
+# consumer's is dead-lettered as parked, with the reason, and stays in its own topic for
+# a replay after the upgrade. docs/upgrades.md says the whole policy.
 SCHEMA_VERSION = 1
 # A record's time must fall in these years. ClickHouse partitions every table by month of
 # ``time``: a clock at 1970 or 9999 (an unset RTC, a unit mix-up) would scatter a rank's
@@ -19,7 +27,9 @@ class Record(BaseModel):
     """Base of all record types. ``kind`` names the record type and its Kafka topic."""
 
     # NaN and +/-Inf are data here (the alert rules look for them), so JSON keeps them
-    # as the NaN / Infinity constants rather than turning them into null.
+    # as the NaN / Infinity constants rather than turning them into null. Unknown fields
+    # are refused where records are made (a misspelt keyword of a log call is an error);
+    # a consumer reading a newer producer's record ignores them (see schemas.decode).
     model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants", validate_default=False)
 
     kind: ClassVar[str]
