@@ -298,6 +298,7 @@ def arg_parser(tracker_name: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--idle-close-seconds", type=float, default=600.0,
                         help="close a run's handle after this long without records (default: %(default)s)")
     serving.add_exit_when_idle_argument(parser)
+    serving.add_metrics_arguments(parser)
     return parser
 
 
@@ -313,6 +314,6 @@ def forward(args: argparse.Namespace, make_tracker: Callable[[], tuple[Experimen
     sink = ForwardingSink(tracker, ProgressStore(state_dir), batch_records=args.batch_records,
                           linger_ms=args.linger_ms, idle_close_seconds=args.idle_close_seconds)
     serving.serve(sink, group=args.group, topic_prefix=args.topic_prefix, stop=runtime.stop_on_signals(),
-                  exit_when_idle_s=args.exit_when_idle_s)
+                  exit_when_idle_s=args.exit_when_idle_s, **serving.metrics_options(args))
     log.info("trainmon: %s stopped: %s", sink.name, sink.stats)
     return 0

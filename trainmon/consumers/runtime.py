@@ -28,7 +28,9 @@ runtime from that. The runtime owns everything else, the same way for all of the
   ``flush`` is retried with exponential backoff and jitter, for as long as it takes while
   running and ``STOPPING_ATTEMPTS`` times once stopping;
 - SIGTERM / SIGINT (``stop_on_signals``): the batch in hand is flushed and committed, then
-  the runtime returns.
+  the runtime returns;
+- metrics (:mod:`.metrics`, ``context.metrics``): records read, written and dead-lettered
+  per kind, the lag per partition, flush and commit latency, batch sizes.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import tenacity
 
 from ..backoff import Backoff
 from ..kafka_client import KafkaError, TopicPartition
+from .metrics import ServiceMetrics, per_kind
 from .stream import Message, RecordStream
 
 log = logging.getLogger("trainmon.consumers")
@@ -53,6 +56,7 @@ STOPPING_ATTEMPTS = 3  # tries of a flush once stopping: a stop must not wait on
 # A refused commit is tried again after this, doubling while it keeps failing: commits
 # retried at once keep interrupting the group join they wait for.
 COMMIT_RETRY_S = 5.0
+LAG_EVERY_S = 1.0  # how often the lag metric is brought up to date (no broker call: cached ends)
 
 
 class RetriableError(Exception):
@@ -99,6 +103,10 @@ class Sink:
     kinds: tuple[str, ...] | None = None
     undecoded_kinds: tuple[str, ...] = ()
     consumer_settings: Mapping[str, Any] = MappingProxyType({})
+    # A sink that writes in the background counts the records it wrote itself
+    # (``context.metrics.count_written``); for the others a record is written once the
+    # flush after its put returned.
+    counts_own_writes = False
 
     def quiet_for(self, runtime: "SinkRuntime", seconds: float) -> bool:
         """Whether a catch-up job told to exit when idle for ``seconds`` may end now (it has
@@ -149,6 +157,7 @@ class SinkContext:
         self._runtime = runtime
         self.stream = runtime.stream
         self.consumer = runtime.stream.consumer
+        self.metrics: ServiceMetrics = runtime.metrics
 
     @property
     def stopping(self) -> bool:
@@ -183,14 +192,20 @@ class SinkContext:
 
 
 class SinkRuntime:
+    lag_every_s = LAG_EVERY_S
+
     def __init__(self, sink: Sink, stream: RecordStream, *, stop: threading.Event | None = None,
-                 retry: RetryPolicy | None = None):
+                 retry: RetryPolicy | None = None, metrics: ServiceMetrics | None = None):
         self.sink = sink
         self.stream = stream
         self.stop = stop or threading.Event()
         self.retry = retry or RetryPolicy()
+        self.metrics = metrics or ServiceMetrics(sink.name, stream.group_id)
         self.records = 0  # records put
         self.flushes = 0
+        self._unflushed: dict[str, int] = {}  # records put since the last flush, per kind
+        self._dead_letters_counted: dict[str, int] = {}
+        self._lag_at = 0.0
         self._owned: set[TopicPartition] = set()
         self._put_since_commit = False
         self._dead_letters_committed = 0
@@ -224,15 +239,21 @@ class SinkRuntime:
         owned = self._owned
         if messages and any((m.topic, m.partition) not in owned for m in messages):
             messages = [m for m in messages if (m.topic, m.partition) in owned]
-        records = sum(m.count for m in messages)
+        read = per_kind(messages)
+        records = sum(read.values())
         if messages:
             self._call(sink.put, messages, what=f"{sink.name}: put")
             self.records += records
+            self.metrics.count_read(read)
+            unflushed = self._unflushed
+            for kind, n in read.items():
+                unflushed[kind] = unflushed.get(kind, 0) + n
             self._put_since_commit = True
             self._active_at = time.monotonic()
         elif not owned:
             self._active_at = time.monotonic()  # idle time counts from joining the group
         sink.tick()
+        self._update_metrics()
         due = sink.flush_in_s()
         if due is not None and due <= 0:
             self.flush_and_commit()
@@ -241,8 +262,15 @@ class SinkRuntime:
         return records
 
     def flush_and_commit(self, final: bool = False) -> None:
+        started = time.monotonic()
         self._call(self.sink.flush, what=f"{self.sink.name}: flush")
+        self.metrics.flush_seconds.observe(time.monotonic() - started)
         self.flushes += 1
+        if self._unflushed:
+            self.metrics.batch_records.observe(sum(self._unflushed.values()))
+            if not self.sink.counts_own_writes:
+                self.metrics.count_written(self._unflushed)
+            self._unflushed = {}
         if self._commit_due() and (final or time.monotonic() >= self._next_commit_at):
             self._commit()
 
@@ -270,12 +298,30 @@ class SinkRuntime:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            self._update_metrics(lag=False)  # the last dead letters; the lag is gone with the stream
             self.stream.close()
 
     # -- helpers -------------------------------------------------------------------------
 
     def _call(self, fn: Callable, *args, what: str):
         return self.retry.retrying(self.stop, what)(fn, *args)
+
+    def _update_metrics(self, lag: bool = True) -> None:
+        """Dead letters per kind since the last look (the stream counts them); the lag,
+        every ``lag_every_s``. A metric is never a reason for the loop to stop."""
+        stream = self.stream
+        if stream.dead_letters != sum(self._dead_letters_counted.values()):
+            for kind, n in list(stream.dead_letters_by_kind.items()):
+                new = n - self._dead_letters_counted.get(kind, 0)
+                if new:
+                    self.metrics.dead_lettered.labels(kind).inc(new)
+                    self._dead_letters_counted[kind] = n
+        if lag and time.monotonic() - self._lag_at >= self.lag_every_s:
+            self._lag_at = time.monotonic()
+            try:
+                self.metrics.set_lag(partition_lags(stream.consumer))
+            except Exception as exc:  # noqa: BLE001 -- e.g. the broker away: the lag waits
+                log.debug("%s: lag not known now: %s", self.sink.name, exc)
 
     def _commit_due(self) -> bool:
         return self._put_since_commit or self.stream.dead_letters > self._dead_letters_committed
@@ -284,16 +330,33 @@ class SinkRuntime:
         dead_letters = self.stream.dead_letters
         positions = self.stream.positions()
         offsets = self.sink.pre_commit(positions)
+        started = time.monotonic()
         try:
             self.stream.commit(offsets)
         except KafkaError as exc:  # e.g. a rebalance under way: the next flush commits
+            self.metrics.commit_failures.inc()
             wait = self._commit_backoff.next()
             self._next_commit_at = time.monotonic() + wait
             log.warning("%s: Kafka commit failed (trying again in %.0f s): %s", self.sink.name, wait, exc)
             return
+        self.metrics.commit_seconds.observe(time.monotonic() - started)
         self._commit_backoff.reset()
         self._put_since_commit = offsets != positions  # the rest once the sink wrote it
         self._dead_letters_committed = dead_letters
+
+
+def partition_lags(consumer) -> dict[tuple[str, int], int]:
+    """(topic, partition) -> messages not read yet, for every assigned partition whose end
+    the consumer has fetched (librdkafka's cached watermark: no broker call). A partition
+    not read from yet is placed at its committed offset, asked once."""
+    assigned = consumer.assignment()
+    positions = consumer.positions(assigned) if assigned else {}
+    lags = {}
+    for tp, position in positions.items():
+        high = consumer.watermarks(tp, cached=True)[1]
+        if high >= 0:
+            lags[(tp.topic, tp.partition)] = max(0, high - position)
+    return lags
 
 
 def read_to_end_as_of_now(stream: RecordStream, topic_names: Iterable[str]) -> Callable[[SinkRuntime], bool]:

@@ -9,16 +9,20 @@ A sink (:class:`.runtime.Sink`) says what it reads -- ``group``, ``kinds``,
     serve(sink, exit_when_idle_s=3.0)
 
 ``attach`` is for a caller that drives the runtime itself (tests stepping it, a replay
-whose end depends on the stream); everything else calls ``serve``.
+whose end depends on the stream); everything else calls ``serve``. ``serve(sink,
+metrics_port=PORT)`` also serves the runtime's metrics (:mod:`.metrics`) while it runs;
+each service's command line takes ``--metrics-port`` (:func:`add_metrics_arguments`).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import threading
 from typing import Any, Callable, Mapping
 
+from .metrics import DEFAULT_LISTEN
 from .runtime import RetryPolicy, Sink, SinkRuntime
 from .stream import RecordStream
 
@@ -54,16 +58,45 @@ def idle_exit(sink: Sink, exit_when_idle_s: float | None) -> Callable[[SinkRunti
 
 
 def serve(sink: Sink, *, exit_when_idle_s: float | None = None,
-          until: Callable[[SinkRuntime], bool] | None = None, **attach_options) -> SinkRuntime:
+          until: Callable[[SinkRuntime], bool] | None = None, metrics_port: int | None = None,
+          metrics_listen: str = DEFAULT_LISTEN, on_started: Callable[[SinkRuntime], None] | None = None,
+          **attach_options) -> SinkRuntime:
     """Attach the sink (see :func:`attach` for the options) and run it until stopped, or
     until ``until`` holds, or, with ``exit_when_idle_s``, until the sink is quiet that long;
     the runtime then flushes, commits, stops the sink and closes the stream. Returns the
-    runtime, for its counts."""
+    runtime, for its counts. ``metrics_port`` (0: a free one): its metrics served there
+    meanwhile, at ``metrics_listen``; ``on_started(runtime)`` is called once they are (a
+    test learns the port there)."""
     runtime = attach(sink, **attach_options)
     log.info("trainmon: %s reads %s* as group %s", sink.name, runtime.stream.prefix,
              runtime.stream.group_id)
-    runtime.run(until or idle_exit(sink, exit_when_idle_s))
+    if metrics_port is not None:
+        runtime.metrics.serve(metrics_port, metrics_listen)
+    try:
+        if on_started is not None:
+            on_started(runtime)
+        runtime.run(until or idle_exit(sink, exit_when_idle_s))
+    finally:
+        runtime.close()  # (run closes it; on_started may have raised)
+        runtime.metrics.close()
     return runtime
+
+
+def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--metrics-port`` and ``--metrics-listen``, the same for every consumer;
+    ``metrics_options(args)`` gives them to :func:`serve`."""
+    port = os.environ.get("TRAINMON_METRICS_PORT")
+    parser.add_argument("--metrics-port", type=int, default=int(port) if port else None, metavar="PORT",
+                        help="serve Prometheus metrics at http://ADDR:PORT/metrics (0: a free port, "
+                             "logged; default: $TRAINMON_METRICS_PORT, else none; docs/metrics.md)")
+    parser.add_argument("--metrics-listen", default=os.environ.get("TRAINMON_METRICS_LISTEN", DEFAULT_LISTEN),
+                        metavar="ADDR", help="the metrics endpoint's address (default: "
+                                             "$TRAINMON_METRICS_LISTEN or %(default)s)")
+
+
+def metrics_options(args: argparse.Namespace) -> dict:
+    """:func:`serve`'s metrics options from :func:`add_metrics_arguments`'."""
+    return {"metrics_port": args.metrics_port, "metrics_listen": args.metrics_listen}
 
 
 def add_exit_when_idle_argument(parser: argparse.ArgumentParser,

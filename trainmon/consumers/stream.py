@@ -70,6 +70,7 @@ class RecordStream:
         self.prefix = topics.prefix() if topic_prefix is None else topic_prefix
         self.kinds = list(kinds or RECORD_TYPES)
         self.dead_letters = 0
+        self.dead_letters_by_kind: dict[str, int] = {}  # (for the runtime's metrics)
         self._env = env
         self._dlq: Producer | None = None
         # Start from the most a message can pack: a first poll too small, never too big.
@@ -198,6 +199,7 @@ class RecordStream:
     def dead_letter(self, message: Message, error: str) -> None:
         """Publish a record we cannot use, with why, and keep going."""
         self.dead_letters += 1
+        self.dead_letters_by_kind[message.kind] = self.dead_letters_by_kind.get(message.kind, 0) + 1
         if self.dead_letters <= 5:
             log.warning("trainmon: dead-lettering %s[%d]@%d#%d: %s", message.topic,
                         message.partition, message.offset, message.index, error)

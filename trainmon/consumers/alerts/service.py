@@ -27,12 +27,13 @@ import time
 from pathlib import Path
 
 import yaml
+from prometheus_client import Counter
 
 from ... import topics
 from ...schemas import AlertRecord
 from ...kafka_client import TopicPartition
 from .. import runtime
-from ..serving import add_exit_when_idle_argument, serve
+from ..serving import add_exit_when_idle_argument, add_metrics_arguments, metrics_options, serve
 from ..stream import Message
 from . import checkpoint
 from .alert_topic import AlertLog, AlertPublisher
@@ -87,6 +88,10 @@ class AlertService(runtime.Sink):
         """Joined (its static instance id claimed) but not assigned before the first poll:
         the checkpoint of this member is known now, and restored."""
         super().start(context)
+        self._fired = Counter("trainmon_alerts", "Alert events published, per rule and state (firing, "
+                              "resolved)", ["rule", "state"], registry=context.metrics.registry)
+        context.metrics.counters_from(self.stats, {
+            "errors": ("trainmon_alert_engine_errors", "Records a rule failed on (dead-lettered)")})
         self.path = checkpoint.checkpoint_path(self.config.state_dir, self.config.group_id,
                                                self.prefix, context.stream.instance_id)
         self._checkpoint_at = time.monotonic() + self.config.checkpoint_interval_s
@@ -177,6 +182,8 @@ class AlertService(runtime.Sink):
         if self._unpublished:
             self._publisher.publish(self._unpublished)
             self.stats["alerts"] += len(self._unpublished)
+            for alert in self._unpublished:
+                self._fired.labels(alert.rule, alert.state).inc()
             self._unpublished = []
         self._put_since_flush = False
         if time.monotonic() >= self._checkpoint_at:
@@ -204,14 +211,14 @@ class AlertService(runtime.Sink):
 
     # -- running -------------------------------------------------------------------------
 
-    def run(self, exit_when_idle_s: float | None = None) -> None:
+    def run(self, exit_when_idle_s: float | None = None, **serve_options) -> None:
         """Judge until ``shutdown`` is set or, with ``exit_when_idle_s``, until caught up and
-        idle that long."""
+        idle that long. ``serve_options``: serving.serve's (its metrics endpoint)."""
         self._publisher = AlertPublisher(self.alert_topic, self.env)
         self._alert_log = AlertLog(self.alert_topic, self.env)
         try:
             serve(self, topic_prefix=self.prefix, env=self.env, stop=self.shutdown,
-                  exit_when_idle_s=exit_when_idle_s)
+                  exit_when_idle_s=exit_when_idle_s, **serve_options)
         finally:
             self._publisher.close()
             self._alert_log.close()
@@ -251,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run just the rules engine or just the Grafana forwarder (default: both; "
                         "the forwarder only when GRAFANA_URL is set)")
     add_exit_when_idle_argument(p, help="stop once caught up and idle this long (batch replay, tests)")
+    add_metrics_arguments(p)
     p.add_argument("--print-config", action="store_true",
                    help="print the effective configuration as YAML and exit")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -286,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         thread.start()
     service = AlertService(config)
     service.shutdown = stop
-    service.run(exit_when_idle_s=args.exit_when_idle_s)
+    service.run(exit_when_idle_s=args.exit_when_idle_s, **metrics_options(args))
     log.info("trainmon alerts: stopped after %d records (%d replayed as warm-up), %d alerts, "
              "%d engine errors", service.stats["records"], service.stats["warmup"],
              service.stats["alerts"], service.stats["errors"])

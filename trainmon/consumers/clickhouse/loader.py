@@ -44,9 +44,12 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from prometheus_client import Histogram
+
 from ...kafka_client import TopicPartition
 from ...schemas import RECORD_TYPES
 from .. import runtime
+from ..metrics import LATENCY_BUCKETS
 from ..stream import Message
 from .batches import PartitionBuffers
 from .columns import insert_batch, insert_json, json_body, json_ready
@@ -101,6 +104,7 @@ class ClickHouseSink(runtime.Sink):
 
     name = "clickhouse loader"
     group = DEFAULT_GROUP
+    counts_own_writes = True  # inserted by the writer's lanes, after the flush handed them over
 
     def __init__(self, client, *, database: str, max_rows: int = 50_000, max_wait_s: float = 0.5,
                  insert_clients: Sequence = (), env: dict | None = None):
@@ -125,6 +129,13 @@ class ClickHouseSink(runtime.Sink):
         self._reported_at = time.monotonic()
 
     # -- the sink contract -------------------------------------------------------------
+
+    def start(self, context: runtime.SinkContext) -> None:
+        super().start(context)
+        self._insert_seconds = Histogram(
+            "trainmon_clickhouse_insert_seconds", "Time one batch insert into ClickHouse took, per "
+            "record kind (answered; a refused insert is not counted)", ["kind"],
+            registry=context.metrics.registry, buckets=LATENCY_BUCKETS)
 
     def open(self, partitions: list[TopicPartition]) -> None:
         # One query at a time per client: a server's HTTP session refuses a second one
@@ -307,6 +318,7 @@ class ClickHouseSink(runtime.Sink):
     def _insert(self, batch: Batch, settings: dict | None = None, client=None) -> None:
         client = client or self.client
         messages = batch.messages
+        started = time.monotonic()
         if batch.json is not None:
             insert_json(client, messages[0].kind, batch.json, database=self.database,
                         dedup_token=batch.token, settings=settings)
@@ -314,6 +326,8 @@ class ClickHouseSink(runtime.Sink):
             insert_batch(client, messages[0].kind, [m.record for m in messages], database=self.database,
                          dedup_token=batch.token, settings=settings,
                          kafka=(batch.tp.topic, batch.tp.partition, [m.offset for m in messages]))
+        self._insert_seconds.labels(messages[0].kind).observe(time.monotonic() - started)
+        self.context.metrics.count_written({messages[0].kind: batch.rows})
         with self._counting:
             self.rows_inserted += batch.rows
             self.inserts += 1

@@ -22,7 +22,7 @@ from clickhouse_connect.driver.exceptions import OperationalError
 
 from ...kafka_client import bootstrap_servers
 from ..runtime import stop_on_signals
-from ..serving import add_exit_when_idle_argument, serve
+from ..serving import add_exit_when_idle_argument, add_metrics_arguments, metrics_options, serve
 from .client import EngineBusy, Target, connect, connect_when_free
 from .schema_setup import create_all
 from .loader import ClickHouseSink
@@ -141,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="do not answer SQL for other processes")
     add_endpoint_arguments(parser)
     add_exit_when_idle_argument(parser)
+    add_metrics_arguments(parser)
     args = parser.parse_args(argv)
     configure_logging()
     target = target_from(args)
@@ -169,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                                   max_wait_s=args.batch_ms / 1000, insert_clients=inserting)
             serve(sink, group=args.group, topic_prefix=args.topic_prefix, stop=stop,
                   consumer_settings={"group_instance_id": args.instance_id} if args.instance_id else None,
-                  exit_when_idle_s=args.exit_when_idle_s)
+                  exit_when_idle_s=args.exit_when_idle_s, **metrics_options(args))
     finally:
         client.close()
     return 0

@@ -73,6 +73,16 @@ class NotifySink(runtime.Sink):
         super().start(context)
         self.state = DeliveredLog(self.state_path)
         self.stats.update(self._saved_stats())
+        # Counted since the state directory began (the stats file), so they never go back.
+        context.metrics.counters_from(self.stats, {
+            "messages": ("trainmon_notifications_sent", "Notifications delivered (apprise URLs)"),
+            "failures": ("trainmon_notifications_failed", "Deliveries that failed (retried with backoff)"),
+            "given_up": ("trainmon_notifications_given_up", "Deliveries given up after failing for "
+                                                            "TRAINMON_NOTIFY_GIVE_UP_AFTER_S"),
+            "rate_limited": ("trainmon_notifications_rate_limited", "Notifications held back by the rate limit"),
+            "alertmanager_posts": ("trainmon_alertmanager_posts", "Incidents posted to Alertmanager"),
+            "action_failures": ("trainmon_notify_action_failures", "Actions (commands) that failed"),
+        })
         log.info("trainmon notify: %d URL(s), %s, %d action(s); %d incident(s) firing at Alertmanager",
                  len(self.channels), "Alertmanager" if self.alertmanager else "no Alertmanager",
                  len(self.config.actions), len(self.state.firing))
@@ -243,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--topic-prefix", default=None, help="default: TRAINMON_TOPIC_PREFIX or 'trainmon.'")
     parser.add_argument("-v", "--verbose", action="store_true")
     serving.add_exit_when_idle_argument(parser)
+    serving.add_metrics_arguments(parser)
     return parser
 
 
@@ -268,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainmon consume notify: {exc}", file=sys.stderr)
         return 2
     runtime_ = serving.serve(sink, topic_prefix=args.topic_prefix, stop=runtime.stop_on_signals(),
-                             exit_when_idle_s=args.exit_when_idle_s)
+                             exit_when_idle_s=args.exit_when_idle_s, **serving.metrics_options(args))
     log.info("trainmon notify: stopped after %d record(s): %s", runtime_.records, sink.stats)
     return 0
 
