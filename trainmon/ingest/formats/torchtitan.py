@@ -32,6 +32,9 @@ _VALIDATE = re.compile(r"\bvalidate step:\s*(\d+)\s+loss:\s*(\S+)(.*)")
 _FIELD = re.compile(r"(\w+):\s*([-+\w.,]+)")
 _DETECT = re.compile(r"(?:^|[\s-])step:\s*\d+\s+loss:\s*\S+\s+(?:grad_norm:\s*\S+\s+)?memory:\s*[\d.]+GiB")
 _DONE = re.compile(r"\bINFO - Training completed\s*$")
+# The trainer's own start line, so that a run which dies before its first metrics line
+# (an OOM in step 1) is still read as torchtitan: trainer.py logs it before the loop.
+_STARTS = re.compile(r"\bINFO - Training starts at step \d+\s*$")
 GIB = 1024 ** 3
 _SAME_PRINT = timedelta(seconds=60)
 _SAVING = re.compile(r"\bSaving (?:the checkpoint|a full checkpoint at step (\d+)|"
@@ -57,7 +60,8 @@ class TorchTitanParser(FormatParser):
 
     @classmethod
     def detect(cls, line: Line) -> bool:
-        return bool(_DETECT.search(line.text) or _VALIDATE.search(line.text))
+        return bool(_DETECT.search(line.text) or _VALIDATE.search(line.text)
+                    or _STARTS.search(line.text))
 
     def feed(self, line: Line) -> list[Parsed]:
         text = line.text
