@@ -30,6 +30,12 @@ Attempted loss scale: 64, reducing to 32`` for each step it skips: a step record
 bar's counter with no loss, ``skipped`` 1 and the reduced ``loss_scale`` (Megatron's
 fields), so the skipped-iteration and loss-scale rules see a cascade as it happens.
 
+A ``'loss': 0.0`` next to a NaN or infinite ``grad_norm`` is a NaN loss: with
+``logging_nan_inf_filter`` (on by default) the Trainer replaces a step's NaN or infinite
+loss by the interval's running average, which is 0 while every step of the interval was
+NaN (see ``_nan_filtered``). The record's loss is NaN. A 0.0 beside a finite grad norm
+stays a zero loss.
+
 ``Saving model checkpoint to saves/run/checkpoint-411`` is a "saved" checkpoint record at
 the step the directory names (``checkpoint-N``), else (the final ``save_model``) at the
 training bar's counter or the last loss dict's step.
@@ -216,6 +222,8 @@ class HfTrainerParser(FormatParser):
     def _step(self, step: int, values: dict[str, float], epoch: float | None,
               line: Line) -> list[Parsed]:
         fields: dict[str, Any] = {"step": step, "loss": values["loss"]}
+        if _nan_filtered(values):
+            fields["loss"] = math.nan
         for key, field in (("grad_norm", "norm"), ("learning_rate", "lr")):
             if key in values:
                 fields[field] = values[key]
@@ -233,6 +241,26 @@ class HfTrainerParser(FormatParser):
                                             "peak_reserved": int(memory * GIB)},
                               line.rank, line.time))
         return out
+
+
+def _nan_filtered(values: dict[str, float]) -> bool:
+    """A loss of 0.0 that the Trainer's NaN filter made. transformers' trainer.py, the
+    training loop::
+
+        if (
+            args.logging_nan_inf_filter
+            and not is_torch_xla_available()
+            and (torch.isnan(tr_loss_step) or torch.isinf(tr_loss_step))
+        ):
+            # if loss is nan or inf simply add the average of previous logged losses
+            tr_loss = tr_loss + tr_loss / (1 + self.state.global_step - self._globalstep_last_logged)
+
+    and ``_maybe_log_save_evaluate`` resets ``tr_loss -= tr_loss`` after each log: an
+    interval whose every step was NaN adds 0 / n to 0 and logs ``'loss': 0.0``. Its
+    gradients were not finite either (the grad norm is NaN or inf), which tells it apart
+    from a loss that really is 0 (every label masked), whose gradients are finite."""
+    norm = values.get("grad_norm")
+    return values.get("loss") == 0.0 and norm is not None and not math.isfinite(norm)
 
 
 def _own_step(raw: dict[str, str]) -> int | None:

@@ -22,10 +22,17 @@ the save's duration), else timed from the two lines' timestamps when both have o
 
 Fields are matched by name with spaces removed, so a line hard-wrapped anywhere (as
 pasted into an issue) reads the same once joined.
+
+A loss the line leaves out is a value, not a gap (see ``_missing_loss``): ``training_log``
+prints each loss only when its average over the interval's advanced iterations is positive
+(``>= 0`` since 2025), so an iteration line without its loss had a NaN (or, before 2025, a
+zero) average, unless every iteration of the interval was skipped, which its ``number of
+skipped iterations`` tells.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -145,6 +152,8 @@ class MegatronParser(FormatParser):
         self._in_args = False
         self._in_timers = False
         self._last_step = 0
+        self._last_logged: dict[int | None, int] = {}  # rank -> its previous iteration line's step
+        self._loss_seen: set[int | None] = set()  # ranks whose iteration lines printed a loss
         self._last_tokens: tuple[int, int] | None = None  # (iteration, consumed tokens)
         self._saving: dict[tuple[int | None, int], Line] = {}  # (rank, iteration) -> its start line
         self._saved: Parsed | None = None   # a finished save, until its timer row is read
@@ -259,6 +268,10 @@ class MegatronParser(FormatParser):
             main = next((n for n in losses if n not in _MOE_LOSSES), None)
         if main is not None:
             fields["loss"] = losses.pop(main)
+            self._loss_seen.add(line.rank)
+        elif self._missing_loss(fields, line.rank):
+            fields["loss"] = math.nan
+        self._last_logged[line.rank] = step
         if losses:
             fields["losses"] = losses
         tokens = self._step_tokens(step, fields.get("global_batch_size"), held.consumed_tokens)
@@ -270,6 +283,38 @@ class MegatronParser(FormatParser):
         if moe:
             out.append(Parsed("moe", {"step": step, **moe}, line.rank, line.time))
         return out
+
+    def _missing_loss(self, fields: dict[str, Any], rank: int | None) -> bool:
+        """Whether an iteration line without its loss means a NaN loss, by Megatron's
+        ``training_log`` (megatron/training/training.py; Megatron-DeepSpeed's is the same
+        with ``> 0.0``)::
+
+            # Update losses and set nan iterations
+            for key in loss_dict:
+                if not skipped_iter:
+                    total_loss_dict[key] = total_loss_dict.get(key, ...) + loss_dict[key]
+            ...
+            for key in total_loss_dict:
+                if key not in [advanced_iters_key, skipped_iters_key, nan_iters_key]:
+                    avg = total_loss_dict[key].item() / float(max(1, total_loss_dict[advanced_iters_key]))
+                    if avg >= 0.0:
+                        log_string += ' {}: {:.6E} |'.format(key, avg)
+
+        A skipped iteration adds no loss, and an interval of skipped iterations only has no
+        average (0 / max(1, 0)): the line then says ``number of skipped iterations`` equal to
+        the iterations since the previous line, and the loss was not measured (None; the
+        skipped count is the record's evidence). Otherwise the average was NaN (``NaN >= 0``
+        is false; a NaN of a skipped iteration is counted in ``number of nan iterations``
+        instead), or, before 2025 (``avg > 0.0``), zero: either way no loss worth having, so
+        NaN. That holds for a rank whose earlier lines printed a loss, and for a first line
+        (a log read from its middle) that says no iteration was skipped: every Megatron
+        training loop reports at least its language-model loss."""
+        skipped = fields.get("skipped")
+        previous = self._last_logged.get(rank)
+        interval = fields["step"] - previous if previous is not None and fields["step"] > previous else None
+        if skipped is not None and skipped > 0 and (interval is None or skipped >= interval):
+            return False  # every iteration skipped, or (interval unknown) maybe every one
+        return rank in self._loss_seen or skipped == 0
 
     def _step_tokens(self, step: int, batch: int | None, consumed: int | None) -> int | None:
         seq = self.config.get("seq_length")

@@ -16,6 +16,12 @@ into the run's config, ``max_iters`` into the steps' total. ``saving checkpoint 
 (printed after the evaluation, before ``torch.save``; forks print ``saving checkpoint ->
 FILE``) is a "saved" checkpoint record at the step the file name says, else the last
 step read: nanoGPT prints nothing when the save ends.
+
+nanoGPT prints nothing when training ends either (``if iter_num > max_iters: break``, and
+the script returns). With ``wandb_log`` it calls ``wandb.init`` and never ``wandb.finish``,
+so wandb's footer (``wandb: Find logs at: ...``) is printed by its exit hook when the
+process exits: after the last iteration, the run's end. A crash prints its traceback
+before the footer, and that ends the run as failed first.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ _OVERRIDE = re.compile(r"^Overriding: (\w+) = (.*?)\s*$")
 _CONFIG_FILE = re.compile(r"^Overriding config with \S+:\s*$")
 _ASSIGNMENT = re.compile(r"^(\w+) = (.*?)\s*(?:#.*)?$")  # a line of the printed config file
 _SAVING = re.compile(r"^saving checkpoint (?:to|->) (\S+)")
+_WANDB_EXIT = re.compile(r"^wandb: Find logs at: ")  # wandb's footer, printed at process exit
 
 
 class NanoGptParser(FormatParser):
@@ -79,6 +86,8 @@ class NanoGptParser(FormatParser):
             self._setting(m.group(1), m.group(2))
         elif _CONFIG_FILE.match(text):
             self._in_config_file = True
+        elif _WANDB_EXIT.match(text):
+            self.finished = True
         return []
 
     def _setting(self, name: str, text: str) -> None:

@@ -1,0 +1,103 @@
+"""What a framework's log means by leaving a value out, or by printing a stand-in for one,
+read from its source (quoted in the parser) and checked on real corpus logs
+(tests/data/logs, PROVENANCE.md). Pure, in memory: no broker."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from .ingest_support import by_step, ingest, of_kind, raw_lines
+
+QWEN = "megatron-deepspeed-qwen25-7b-finetune-gradnorm.log"
+LM_LOSS = re.compile(r" lm loss: [^|]*\|")
+
+
+def without_loss_at(lines: list[str], iteration: int, skipped: int | None = None) -> list[str]:
+    """The log with iteration ``iteration``'s line printed as Megatron prints it when the
+    interval's loss average is not >= 0: without its ``lm loss`` field (and, with ``skipped``,
+    saying that many iterations were skipped)."""
+    out = []
+    for line in lines:
+        if re.search(rf"\biteration +{iteration}/", line):
+            assert LM_LOSS.search(line), line
+            line = LM_LOSS.sub("", line)
+            if skipped is not None:
+                line = re.sub(r"number of skipped iterations: +\d+", f"number of skipped iterations: {skipped}", line)
+        out.append(line)
+    return out
+
+
+# -- Megatron: "if avg >= 0.0: log_string += ' {}: {:.6E} |'.format(key, avg)" ---------
+
+
+def test_megatron_line_without_the_loss_earlier_lines_had_is_a_nan_loss():
+    """Iteration 10 of the Qwen2.5 finetune printed without its ``lm loss`` (what Megatron
+    prints for a NaN average) while 0 iterations were skipped: a NaN loss, not "not
+    logged"; the lines around it keep theirs."""
+    _, records = ingest(without_loss_at(raw_lines(QWEN), 10))
+    steps = by_step(records, "step")
+    assert math.isnan(steps[10].loss) and steps[10].skipped == 0
+    assert steps[9].loss == 6.484428 and steps[11].loss == 6.00275
+    _, untouched = ingest(raw_lines(QWEN))
+    assert by_step(untouched, "step")[10].loss == 6.073902
+
+
+def test_megatron_line_without_loss_because_every_iteration_was_skipped_has_none():
+    """The same line saying its one iteration (lines every iteration) was skipped: the loss
+    was not measured, so the record has none, and the skipped count says why."""
+    _, records = ingest(without_loss_at(raw_lines(QWEN), 10, skipped=1))
+    step = by_step(records, "step")[10]
+    assert step.loss is None and step.skipped == 1
+
+
+def test_megatron_fp16_warmup_intervals_all_skipped_carry_no_loss():
+    """The real fp16 start: iterations 5 and 10 each say ``number of skipped iterations: 5``
+    of a 5-iteration interval, and print no ``lm loss``: skipped, not NaN."""
+    _, records = ingest(raw_lines("megatron-lm-gpt2-2.6b-v100-fp16-loss-scale-warmup.log"))
+    steps = of_kind(records, "step")
+    assert [(s.step, s.skipped, s.loss) for s in steps] == [(5, 5, None), (10, 5, None)]
+
+
+def test_megatron_first_line_without_any_loss_and_nothing_skipped_is_a_nan_loss():
+    """Megatron-Bridge's iteration 5 (a log read from there on, no earlier line): no loss
+    field, ``grad norm: nan``, ``number of skipped iterations: 0``: the language-model loss
+    every Megatron loop reports averaged to NaN."""
+    _, records = ingest(raw_lines("megatron-core-bridge-dsv4-fp8mx-gradnorm-nan-wrapped.log"))
+    (step,) = of_kind(records, "step")
+    assert math.isnan(step.loss) and math.isnan(step.norm) and step.skipped == 0
+
+
+# -- HF Trainer: logging_nan_inf_filter ------------------------------------------------------
+
+
+def test_hf_trainer_zero_loss_beside_a_nan_grad_norm_is_a_nan_loss():
+    """ModernBERT: ``'loss': 0.0, 'grad_norm': nan`` twice after ``'loss': 0.2051,
+    'grad_norm': nan``: the Trainer's NaN filter averaged NaN steps into 0."""
+    _, records = ingest(raw_lines("hf-trainer-modernbert*.log"))
+    losses = [s.loss for s in of_kind(records, "step")]
+    assert losses[0] == 0.2051 and all(math.isnan(x) for x in losses[1:]) and len(losses) == 3
+
+
+def test_hf_trainer_zero_loss_beside_a_finite_grad_norm_stays_zero():
+    """LLaMA-Factory: ``{'loss': 0.0, 'grad_norm': 1.4142135381698608, ...}``: finite
+    gradients, so a loss that really is 0 (every label masked), for the zero_loss rule."""
+    _, records = ingest(raw_lines("hf-trainer-llamafactory-zero-loss-line-numbered.log"))
+    (step,) = of_kind(records, "step")
+    assert step.loss == 0.0 and step.norm == 1.4142135381698608
+
+
+# -- nanoGPT: no end-of-training line, but wandb's exit footer ---------------------------------
+
+
+def test_nanogpt_wandb_exit_footer_ends_the_run():
+    """The TinyStories run's last lines are wandb's footer (``wandb: Find logs at: ...``),
+    printed at process exit: the run ended, successfully, also for a reader that never saw
+    its config (``max_iters``)."""
+    lines = raw_lines("nanogpt-tinystories*.log")
+    for tail in (lines, lines[len(lines) // 2:]):
+        _, records = ingest(tail)
+        end = of_kind(records, "run")[-1]
+        assert (end.event, end.status) == ("end", "success")
+    _, cut = ingest([line for line in lines if not line.startswith("wandb: Find logs at:")])
+    assert [r.event for r in of_kind(cut, "run")] == ["start"]
