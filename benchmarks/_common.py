@@ -16,7 +16,8 @@ def broker_bootstrap():
         yield os.environ["TRAINMON_KAFKA_BOOTSTRAP"]
         return
     with tempfile.TemporaryDirectory(prefix="trainmon-bench-") as tmp:
-        broker = Broker(os.path.join(tmp, "kafka"), heap="1g").start()
+        # throwaway: stopped with this process, however it ends (SIGTERM, kill -9).
+        broker = Broker(os.path.join(tmp, "kafka"), heap="1g", throwaway=True).start()
         try:
             yield broker.bootstrap
         finally:

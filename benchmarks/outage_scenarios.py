@@ -347,7 +347,7 @@ def pipeline(prefix_name: str):
     stopped and removed however the block ends. Yields (tmp, broker, service, prefix)."""
     with tempfile.TemporaryDirectory(prefix=f"trainmon-{prefix_name}-") as tmp:
         tmp = Path(tmp)
-        broker = Broker(tmp / "kafka", port=free_port())
+        broker = Broker(tmp / "kafka", port=free_port(), throwaway=True)
         service = None
         try:
             broker.start(timeout=120)

@@ -169,7 +169,7 @@ def main() -> int:
         broker = None
         bootstrap = os.environ.get("TRAINMON_KAFKA_BOOTSTRAP")
         if not bootstrap:
-            broker = Broker(tmp / "kafka", heap="1g").start()
+            broker = Broker(tmp / "kafka", heap="1g", throwaway=True).start()
             bootstrap = broker.bootstrap
         prefix = f"bench{uuid.uuid4().hex[:8]}."
         service = None

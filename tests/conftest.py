@@ -42,7 +42,10 @@ def pytest_collection_modifyitems(items) -> None:
 
 @pytest.fixture(scope="session")
 def kafka_broker(tmp_path_factory):
-    broker = Broker(tmp_path_factory.mktemp("kafka"), heap="768m").start()
+    # throwaway: stopped even when pytest is killed (kill -9 included) and leaves no JVM
+    # behind; retention checked every second, so a test can see a topic trimmed.
+    broker = Broker(tmp_path_factory.mktemp("kafka"), heap="768m", throwaway=True,
+                    retention_check_ms=1000).start()
     yield broker
     broker.stop()
 

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .stack_security import SCRAM, StackSecrets
+from .topics import broker_defaults, topic_config
 
 DEFAULT_PARTITIONS = 4
 
@@ -190,9 +191,20 @@ class Broker:
     internal_port: int = 0  # the brokers' own listener (loopback) when secured
     replication: int = 1  # of record and internal topics (a cluster: 3)
     cluster_id: str | None = None  # set by a Cluster: every node formatted with the same
+    # A broker for this process alone (a test session, a benchmark, `trainmon roundtrip`):
+    # a watchdog stops it when this process ends, however it ends (kill -9 included), and
+    # then removes its data directory. A broker of `trainmon up` / `trainmon broker
+    # start` is not: it outlives the command that started it.
+    throwaway: bool = False
+    # How often the broker looks for segments past their retention: Kafka's default is
+    # 5 minutes; a minute keeps the disk within the budget just as well, and the check
+    # (a walk over the partitions' segment lists) costs next to nothing. Tests trimming a
+    # topic set it to a second.
+    retention_check_ms: int = 60_000
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir)
+        self._watchdog = None
         state = self._read_state()
         # Restarting on the same data dir keeps the same ports: clients reconnect.
         self.port = self.port or state.get("port") or free_port()
@@ -246,7 +258,10 @@ class Broker:
             "share.coordinator.state.topic.replication.factor": rf,
             "share.coordinator.state.topic.min.isr": min_isr,
             "group.initial.rebalance.delay.ms": "0",
-            "log.retention.hours": "-1",
+            # The event log's disk budget (docs/deploy.md, "Retention"): the defaults of
+            # topics created on first use, the same as those trainmon creates itself.
+            **broker_defaults(topic_config()),
+            "log.retention.check.interval.ms": str(self.retention_check_ms),
         }
         if self.voters:
             props["controller.quorum.voters"] = ",".join(
@@ -313,8 +328,15 @@ class Broker:
         if not (self.data_dir / "logs" / "meta.properties").exists():
             self.format(self.cluster_id or new_cluster_id(self), props)
         log = open(self.data_dir / "broker.log", "ab")
+        # A session of its own: a Ctrl-C meant for the command in the terminal does not
+        # reach it (`trainmon up`'s broker outlives its command; a throwaway's owner stops
+        # it in order, after its clients).
         proc = subprocess.Popen(self._java("kafka.Kafka", str(props)), stdout=log, stderr=log,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
+        if self.throwaway:
+            from .process_lifetime import watch
+
+            self._watchdog = watch([proc.pid], grace_s=3.0, remove=self.data_dir)
         self._state_file.write_text(json.dumps(
             {"pid": proc.pid, "port": self.port, "controller_port": self.controller_port,
              "internal_port": self.internal_port}))
@@ -355,6 +377,17 @@ class Broker:
 
     def stop(self, timeout: float = 30.0, kill: bool = False) -> None:
         self._wait_stopped(self._signal_stop(kill), time.monotonic() + timeout)
+        self._reap_watchdog()
+
+    def _reap_watchdog(self) -> None:
+        """The watchdog exits once the broker has; reaped here, not left a zombie."""
+        if self._watchdog is not None:
+            try:
+                self._watchdog.wait(5)
+            except subprocess.TimeoutExpired:
+                self._watchdog.kill()
+                self._watchdog.wait()
+            self._watchdog = None
 
     def _signal_stop(self, kill: bool) -> int | None:
         pid = self.pid()
@@ -377,10 +410,10 @@ class Broker:
             time.sleep(0.1)
 
     def create_topics(self, names: list[str], partitions: int | None = None) -> None:
-        from .kafka_client import create_topics
+        from .consumers.topic_setup import create_record_topics
 
-        create_topics(names, partitions or self.partitions, env=self.client_env(),
-                      bootstrap=self.bootstrap)
+        create_record_topics(names, partitions or self.partitions, env=self.client_env(),
+                             bootstrap=self.bootstrap)
 
 
 def new_cluster_id(broker: Broker) -> str:
@@ -399,12 +432,14 @@ class Cluster:
     secrets: StackSecrets | None = None
     heap: str = "512m"
     partitions: int = DEFAULT_PARTITIONS
+    throwaway: bool = False  # each node stopped when this process ends (Broker.throwaway)
 
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir)
         self.brokers = [Broker(self.data_dir / f"node-{i}", heap=self.heap, partitions=self.partitions,
                                listen=self.listen, public_host=self.public_host,
-                               secrets=self.secrets, node_id=i, replication=min(3, self.nodes))
+                               secrets=self.secrets, node_id=i, replication=min(3, self.nodes),
+                               throwaway=self.throwaway)
                         for i in range(1, self.nodes + 1)]
         voters = [(b.node_id, b.controller_port) for b in self.brokers]
         for broker in self.brokers:
@@ -442,15 +477,16 @@ class Cluster:
         pids = [broker._signal_stop(kill) for broker in self.brokers]
         for broker, pid in zip(self.brokers, pids):
             broker._wait_stopped(pid, deadline)
+            broker._reap_watchdog()
 
     def running(self) -> list[bool]:
         return [b.running() for b in self.brokers]
 
     def create_topics(self, names: list[str], partitions: int | None = None) -> None:
-        from .kafka_client import create_topics
+        from .consumers.topic_setup import create_record_topics
 
-        create_topics(names, partitions or self.partitions, env=self.client_env(),
-                      bootstrap=self.bootstrap)
+        create_record_topics(names, partitions or self.partitions, env=self.client_env(),
+                             bootstrap=self.bootstrap)
 
 
 def _reap(pid: int) -> None:

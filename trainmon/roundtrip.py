@@ -24,7 +24,7 @@ def _bootstrap(tmp: str):
         yield os.environ["TRAINMON_KAFKA_BOOTSTRAP"]
         return
     print("starting a local Kafka broker (KRaft) ...", flush=True)
-    broker = Broker(os.path.join(tmp, "kafka")).start()
+    broker = Broker(os.path.join(tmp, "kafka"), throwaway=True).start()  # gone with this process
     try:
         yield broker.bootstrap
     finally:

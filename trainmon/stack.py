@@ -18,6 +18,11 @@ runs three brokers that replicate every topic: one may crash and nothing stops.
 The supervisor restarts a service that exits or is killed (after 1 s, doubling up to 30 s
 while it keeps failing within a minute of its start) and logs each restart; the consumers
 commit their progress with their writes, so a restart neither loses nor repeats a row.
+The services stop with their supervisor, however it ends: killed with -9, it leaves none
+running (each gets SIGTERM from the kernel, a parent-death signal, and commits as at
+``down``). The broker deliberately does not: it is the event log the training jobs write
+to whether or not anything consumes it, so a dead supervisor costs the jobs nothing; a
+second ``up`` starts a supervisor beside the running broker, and ``down`` stops both.
 ``status`` shows each service with its pid, uptime, restarts and consumer lag; ``logs``
 prints a service's log; ``down`` stops the supervisor, which stops its services, then the
 broker. Everything lives under ``--dir`` (default ``$TRAINMON_STACK_DIR`` or
@@ -40,6 +45,7 @@ from pathlib import Path
 
 from .backoff import Backoff
 from .broker import Broker, Cluster, cache_dir, is_loopback, java, pid_alive
+from .process_lifetime import end_with_parent, watch
 from .stack_security import StackSecrets
 from .consumers import registry
 
@@ -166,8 +172,13 @@ class Supervisor:
             child.restarts += 1
             self._say(f"restarting {name} (restart {child.restarts})")
         with open(self.stack / f"{name}.log", "ab") as log:
+            # A supervisor killed with -9 takes its services along: each is sent SIGTERM
+            # (it writes and commits what it holds, as at `down`), none is left running
+            # unsupervised. The parent-death signal follows the forking thread: this loop
+            # runs on the supervisor's main thread, which lives as long as it does.
             child.proc = subprocess.Popen(child.service.command, env={**self.env, **child.service.env},
-                                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          preexec_fn=end_with_parent(signal.SIGTERM))
         child.pid, child.started_at, child.since = child.proc.pid, now, time.time()
 
     def _write_status(self) -> None:
@@ -264,9 +275,12 @@ def job_env_lines(kafka: Broker | Cluster, stack: Path) -> list[str]:
 
 
 def up(stack: Path, layout: Layout, extra: list[str], ui: str | None, timeout: float = 90.0,
-       env: dict | None = None, announce: bool = True, tls: dict | None = None) -> int:
+       env: dict | None = None, announce: bool = True, tls: dict | None = None,
+       stop_with_caller: bool = False) -> int:
     """``env``: settings for the services (the demo's shorter alert windows); ``tls``: the
-    operator's certificate, key and CA (``--tls-cert/--tls-key/--tls-ca``)."""
+    operator's certificate, key and CA (``--tls-cert/--tls-key/--tls-ca``);
+    ``stop_with_caller``: a stack for this process alone (the demo): once it ends, however
+    it ends, a watchdog stops the supervisor (its services with it), then the broker."""
     from . import topics
     from .kafka_client.acls import grant_stack_acls
 
@@ -305,6 +319,10 @@ def up(stack: Path, layout: Layout, extra: list[str], ui: str | None, timeout: f
             [sys.executable, "-m", "trainmon.stack", "supervise", str(stack), kafka.bootstrap],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             start_new_session=True)  # outlives this command and its terminal
+    if stop_with_caller:
+        brokers = kafka.brokers if isinstance(kafka, Cluster) else [kafka]
+        watch([supervisor.pid, *(pid for b in brokers if (pid := b.pid()) is not None)],
+              grace_s=STOP_GRACE_S + 5)
     deadline = time.monotonic() + timeout
     while not _all_running(read_status(stack)):
         if time.monotonic() > deadline or supervisor.poll() is not None:

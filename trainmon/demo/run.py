@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     progress("starting the stack as 'trainmon up' does: Kafka (KRaft, loopback) and the supervised "
              "consumers, ClickHouse (embedded chDB) and the alerts engine")
     stack_dir = out / "stack"
-    started = stack.up(stack_dir, stack.Layout(port=free_port()), [], None, env=DEMO_ALERT_ENV, announce=False)
+    started = stack.up(stack_dir, stack.Layout(port=free_port()), [], None, env=DEMO_ALERT_ENV, announce=False, stop_with_caller=True)
     try:
         if started != 0:
             raise RuntimeError(f"the stack did not start; see {stack_dir}/*.log")
