@@ -1,6 +1,7 @@
 """`trainmon up` as a user would run it: the broker and the supervised consumers start, a
 2-rank torchrun job configured by the printed env line alone lands in ClickHouse, a
-consumer killed with -9 is back within 10 s and nothing is lost or written twice, `trainmon
+consumer killed with -9 is back within 10 s and nothing is lost or written twice (the
+supervisor's metrics count the restart, the loader's its rows), `trainmon
 report` writes the run's plots, `trainmon down` stops every process; `trainmon down` takes at
 most 10 s and keeps every record logged before it; `trainmon up --help` shows up's options."""
 
@@ -19,6 +20,8 @@ from pathlib import Path
 from trainmon import stack as stack_module
 from trainmon.broker import free_port
 from trainmon.consumers.clickhouse.sql_endpoint import find_endpoint
+
+from .metrics_support import scrape
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = 40
@@ -88,8 +91,16 @@ def test_up_job_kill_report_down(tmp_path):
         shown = trainmon("status", "--dir", str(stack))
         assert shown.returncode == 0, shown.stdout
         for name in ("clickhouse", "alerts", "tensorboard"):
-            assert re.search(rf"^{name} +running \(pid \d+, up \d+m\d+s\), 0 restarts, lag \d+ records$",
+            assert re.search(rf"^{name} +running \(pid \d+, up \d+m\d+s\), 0 restarts, lag \d+ records",
                              shown.stdout, re.M), shown.stdout
+
+        def metrics_shown() -> bool:  # once each service has started serving them
+            shown = trainmon("status", "--dir", str(stack)).stdout
+            return all(re.search(rf"^{name} +running .*, lag \d+ records, 0 dead letters \(metrics on :\d+\)$",
+                                 shown, re.M) for name in ("clickhouse", "alerts", "tensorboard"))
+
+        wait_for("each service's dead letters in trainmon status", metrics_shown, 30)
+        assert re.search(r"^supervisor +running \(pid \d+, metrics on 127.0.0.1:\d+\)$", shown.stdout, re.M)
 
         def torchrun(phase: str) -> None:
             script = tmp_path / "job.py"
@@ -113,9 +124,18 @@ def test_up_job_kill_report_down(tmp_path):
         assert re.search(r"^clickhouse +running .*, 1 restarts, last exit -9, lag", shown.stdout, re.M), shown.stdout
         logs = trainmon("logs", "--dir", str(stack))
         assert "clickhouse exited with -9" in logs.stdout and "restarting clickhouse (restart 1)" in logs.stdout
+        supervisor = scrape(status(stack)["metrics_port"])
+        assert supervisor.value("trainmon_service_restarts_total", service="clickhouse") == 1
+        assert supervisor.value("trainmon_service_restarts_total", service="alerts") == 0
+        assert supervisor.value("trainmon_service_last_exit_code", service="clickhouse") == -9
 
         torchrun("b")  # through the restarted consumer
         wait_for("phase b in ClickHouse", lambda: sql(env, steps) == str(4 * STEPS), 60)
+        # The restarted loader's own counts: phase b's rows, resumed from ClickHouse's offsets.
+        loader_port = status(stack)["services"]["clickhouse"]["metrics_port"]
+        wait_for("phase b's rows on the loader's endpoint",
+                 lambda: scrape(loader_port).value("trainmon_records_written_total", kind="step") == 2 * STEPS, 10)
+        assert scrape(loader_port).value("trainmon_records_dead_lettered_total", kind="step") == 0
         # Without FINAL: every row once, none lost, none repeated across the kill.
         assert sql(env, "SELECT count(), uniqExact(event_id), uniqExact(rank, step) FROM step "
                         "WHERE run_id = 'up-run'") == "\t".join([str(4 * STEPS)] * 3)

@@ -23,7 +23,11 @@ running (each gets SIGTERM from the kernel, a parent-death signal, and commits a
 ``down``). The broker deliberately does not: it is the event log the training jobs write
 to whether or not anything consumes it, so a dead supervisor costs the jobs nothing; a
 second ``up`` starts a supervisor beside the running broker, and ``down`` stops both.
-``status`` shows each service with its pid, uptime, restarts and consumer lag; ``logs``
+Each consumer and the supervisor serve Prometheus metrics (docs/metrics.md) on ports the
+supervisor hands out (``--metrics-port``: from that port on; 0, the default: free ones),
+kept for the stack's life and recorded in ``status.json``.
+``status`` shows each service with its pid, uptime, restarts, consumer lag and dead
+letters; ``logs``
 prints a service's log; ``down`` stops the supervisor, which stops its services, then the
 broker. Everything lives under ``--dir`` (default ``$TRAINMON_STACK_DIR`` or
 ~/.cache/trainmon/stack): the broker's data, the chDB directory, the alerts state, the
@@ -105,6 +109,7 @@ class Child:
     since: float | None = None  # wall clock, for status
     restarts: int = 0
     last_exit: int | None = None
+    metrics_port: int | None = None  # where it serves its metrics (consumers only)
     next_start: float = 0.0
     backoff: Backoff = field(default_factory=lambda: Backoff(RESTART_MIN_S, RESTART_MAX_S))
     proc: subprocess.Popen | None = field(default=None, repr=False)
@@ -117,10 +122,24 @@ class Supervisor:
         self.env = {**os.environ, **plan.get("env", {}), "TRAINMON_KAFKA_BOOTSTRAP": bootstrap}
         self.children = [Child(s) for s in services(stack, plan["with"], plan["ui"])]
         self.stop = threading.Event()
+        self.metrics_listen = self.env.get("TRAINMON_METRICS_LISTEN") or "127.0.0.1"
+        self.metrics_port = self._hand_out_metrics_ports(int(self.env.get("TRAINMON_METRICS_PORT") or 0))
+
+    def _hand_out_metrics_ports(self, first: int) -> int:
+        """Its own metrics port and each consumer's: ``first``, ``first + 1``, ... or, with
+        0, free ones now. Kept across restarts, so a scrape target stays where it is."""
+        consumers = [c for c in self.children if c.service.group]
+        ports = (list(range(first, first + 1 + len(consumers))) if first
+                 else free_ports(self.metrics_listen, 1 + len(consumers)))
+        for child, port in zip(consumers, ports[1:]):
+            child.metrics_port = port
+            child.service.env.update(TRAINMON_METRICS_PORT=str(port), TRAINMON_METRICS_LISTEN=self.metrics_listen)
+        return ports[0]
 
     def run(self) -> None:
         signal.signal(signal.SIGTERM, lambda *_: self.stop.set())
         signal.signal(signal.SIGINT, lambda *_: self.stop.set())
+        serve_supervisor_metrics(self)
         while not self.stop.is_set():
             try:
                 for child in self.children:
@@ -182,13 +201,85 @@ class Supervisor:
         child.pid, child.started_at, child.since = child.proc.pid, now, time.time()
 
     def _write_status(self) -> None:
-        status = {"supervisor": os.getpid(), "services": {
+        status = {"supervisor": os.getpid(), "metrics_port": self.metrics_port,
+                  "metrics_listen": self.metrics_listen, "services": {
             c.service.name: {"pid": c.pid, "since": c.since, "restarts": c.restarts,
-                             "last_exit": c.last_exit, "group": c.service.group}
+                             "last_exit": c.last_exit, "group": c.service.group,
+                             "metrics_port": c.metrics_port}
             for c in self.children}}
         tmp = self.stack / "status.json.tmp"
         tmp.write_text(json.dumps(status))
         tmp.replace(self.stack / "status.json")
+
+
+def free_ports(host: str, n: int) -> list[int]:
+    """``n`` ports free on ``host`` now (each bound at once, so they differ)."""
+    import socket
+
+    sockets = [socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) for _ in range(n)]
+    try:
+        for s in sockets:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def serve_supervisor_metrics(supervisor: Supervisor) -> None:
+    """The supervisor's own metrics: per service, its restarts, whether it runs now, its
+    last exit code. A port it cannot have is said and otherwise ignored."""
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    class Services:
+        def collect(self):
+            restarts = CounterMetricFamily("trainmon_service_restarts", "Times the supervisor restarted "
+                                           "the service (it exited or was killed)", labels=["service"])
+            up = GaugeMetricFamily("trainmon_service_up", "1 while the service's process runs",
+                                   labels=["service"])
+            exits = GaugeMetricFamily("trainmon_service_last_exit_code", "The exit code of the service's "
+                                      "last exit (negative: the signal that ended it)", labels=["service"])
+            for child in list(supervisor.children):
+                name = child.service.name
+                restarts.add_metric([name], child.restarts)
+                up.add_metric([name], 1 if child.pid is not None else 0)
+                if child.last_exit is not None:
+                    exits.add_metric([name], child.last_exit)
+            return [restarts, up, exits]
+
+    registry = CollectorRegistry()
+    registry.register(Services())
+    try:
+        start_http_server(supervisor.metrics_port, addr=supervisor.metrics_listen, registry=registry)
+    except OSError as exc:
+        supervisor._say(f"cannot serve metrics on {supervisor.metrics_listen}:{supervisor.metrics_port} ({exc})")
+        supervisor.metrics_port = None
+
+
+def scraped_counts(listen: str, port: int | None) -> dict[str, float] | None:
+    """A service's dead letters and lag, summed, from its metrics endpoint (None: not
+    answering)."""
+    if not port:
+        return None
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    host = "127.0.0.1" if listen in ("0.0.0.0", "::") else listen
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=2) as answer:
+            text = answer.read().decode()
+    except OSError:
+        return None
+    sums = {"dead_letters": 0.0, "lag": 0.0}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "trainmon_records_dead_lettered_total":
+                sums["dead_letters"] += sample.value
+            elif sample.name == "trainmon_consumer_lag":
+                sums["lag"] += sample.value
+    return sums
 
 
 # -- the commands ---------------------------------------------------------------------------
@@ -375,7 +466,9 @@ def show_status(stack: Path) -> int:
     if status is None:
         print("supervisor      stopped")
         return 1
-    print(f"supervisor      running (pid {status['supervisor']})")
+    listen = status.get("metrics_listen", "127.0.0.1")
+    metrics = f", metrics on {listen}:{status['metrics_port']}" if status.get("metrics_port") else ""
+    print(f"supervisor      running (pid {status['supervisor']}{metrics})")
     record_topics = topics.all_topics()[:-1]
     for name, s in status["services"].items():
         state = f"running (pid {s['pid']}, up {_uptime(s['since'])})" if _alive(s["pid"]) else "restarting"
@@ -388,6 +481,10 @@ def show_status(stack: Path) -> int:
                 lag = f", lag {lag:,} records"
             except KafkaError:
                 lag = ", lag unknown"
+        scraped = scraped_counts(listen, s.get("metrics_port"))
+        if scraped is not None:
+            lag = lag or f", lag {int(scraped['lag']):,} records"
+            lag += f", {int(scraped['dead_letters']):,} dead letters (metrics on :{s['metrics_port']})"
         print(f"{name:<15} {state}, {s['restarts']} restarts{last}{lag}{_delivery_counts(stack, name)}")
     return 0 if running and _all_running(status) else 1
 
@@ -462,7 +559,8 @@ def _wait_gone(pids: list[int], timeout: float) -> bool:
 
 
 ACTIONS = {"up": "Start Kafka and the supervised consumers on this machine; print the job's env line.",
-           "status": "Show Kafka, the supervisor, and each service with its uptime, restarts and lag.",
+           "status": "Show Kafka, the supervisor, and each service with its uptime, restarts, lag "
+                     "and dead letters.",
            "logs": "Print a service's log.",
            "down": "Stop the services (each writes what it holds first), the supervisor, then Kafka."}
 
@@ -493,6 +591,13 @@ def build_parser(action: str) -> argparse.ArgumentParser:
         parser.add_argument("--with", dest="extra", default="",
                             help=f"consumers to run too, comma-separated ({', '.join(ON_REQUEST)})")
         parser.add_argument("--ui", choices=UIS, help="a UI for live plots (TensorBoard on 6006, Aim on 43800)")
+        parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("TRAINMON_METRICS_PORT") or 0),
+                            metavar="PORT", help="Prometheus metrics: the supervisor on PORT, each consumer "
+                                                 "on the next ones (default: $TRAINMON_METRICS_PORT, else 0: "
+                                                 "free ports; trainmon status shows them; docs/metrics.md)")
+        parser.add_argument("--metrics-listen", default=os.environ.get("TRAINMON_METRICS_LISTEN", "127.0.0.1"),
+                            metavar="ADDR", help="the metrics endpoints' address (default: "
+                                                 "$TRAINMON_METRICS_LISTEN or %(default)s)")
     elif action == "logs":
         parser.add_argument("name", nargs="?", default="supervisor", help="the service (default supervisor)")
         parser.add_argument("-n", "--lines", type=int, default=40, help="how many lines")
@@ -534,7 +639,8 @@ def main(argv: list[str] | None = None) -> int:
     paging = {name: value for name, value in paging.items() if value}
     if paging and "notify" not in extra:
         extra.append("notify")  # (trainmon consume notify delivers them)
-    return up(stack, layout, extra, args.ui, env=paging or None, tls=tls or None)
+    metrics = {"TRAINMON_METRICS_PORT": str(args.metrics_port), "TRAINMON_METRICS_LISTEN": args.metrics_listen}
+    return up(stack, layout, extra, args.ui, env={**paging, **metrics}, tls=tls or None)
 
 
 if __name__ == "__main__":
