@@ -112,7 +112,8 @@ def replay_main(argv: list[str] | None = None) -> int:
         group = f"trainmon-replay-{uuid.uuid4().hex[:12]}"
         with sql_endpoint_for(target), insert_clients(target, args.insert_threads) as inserting:
             sink = ClickHouseSink(client, database=target.database, max_rows=args.batch_rows,
-                                  max_wait_s=args.batch_ms / 1000, insert_clients=inserting)
+                                  max_wait_s=args.batch_ms / 1000, insert_clients=inserting,
+                                  storage=target.describe())
             # A throwaway group: a dynamic member leaves it at close, so it can be deleted
             # (a static member would keep it non-empty).
             loading = attach(sink, group=group, topic_prefix=args.topic_prefix,

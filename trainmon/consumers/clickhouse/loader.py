@@ -19,6 +19,10 @@
   are written before the hand-over (revocations run inside the runtime's poll, which waits
   for them, so no batch of a partition lands after it was handed over); the next owner
   starts from ``max(_offset) + 1``.
+- A full data volume (:func:`.refusals.disk_full`) is an error a retry fixes: the batch
+  stays in hand, its offsets uncommitted, and is inserted again, with backoff, until
+  space returns; the condition is logged once, naming the volume, and is in
+  ``disk_full`` (and counted in ``disk_full_errors``) while it lasts.
 - A record ClickHouse cannot take (e.g. one a CHECK constraint refuses) is dead-lettered
   alone; the rest of its batch still goes in as one insert, so no batch is ever half
   written. Errors a retry can fix (connection, timeouts, memory, overload) are retried
@@ -55,7 +59,7 @@ from .batches import PartitionBuffers
 from .columns import insert_batch, insert_json, json_body, json_ready
 from .schema_setup import create_probe_table
 from .offsets import stored_positions
-from .refusals import blames_rows, month_runs, months_in, partition_limit, refusal
+from .refusals import blames_rows, disk_full, month_runs, months_in, partition_limit, refusal
 from .writer import BackgroundWriter
 
 log = logging.getLogger("trainmon.clickhouse")
@@ -107,10 +111,12 @@ class ClickHouseSink(runtime.Sink):
     counts_own_writes = True  # inserted by the writer's lanes, after the flush handed them over
 
     def __init__(self, client, *, database: str, max_rows: int = 50_000, max_wait_s: float = 0.5,
-                 insert_clients: Sequence = (), env: dict | None = None):
+                 insert_clients: Sequence = (), env: dict | None = None, storage: str = ""):
         """``insert_clients``: one background insert lane each (see :mod:`.writer`); none:
         one lane on ``client``, which then never runs a query while that lane inserts.
-        ``env``: where TRAINMON_CLICKHOUSE_VALIDATE_ALL is read (default os.environ)."""
+        ``env``: where TRAINMON_CLICKHOUSE_VALIDATE_ALL is read (default os.environ).
+        ``storage``: where the tables live, as log lines name it (``Target.describe()``)."""
+        self.storage = storage or f"ClickHouse database {database}"
         self.undecoded_kinds = tuple(stored_as_they_come(env))
         self.client = client
         self.database = database
@@ -118,6 +124,10 @@ class ClickHouseSink(runtime.Sink):
         self.rows_inserted = 0
         self.inserts = 0
         self._counting = threading.Lock()  # the lanes count their inserts
+        # The data volume full: True from an insert refused for space until one lands;
+        # disk_full_errors counts such refusals (plain attributes, for metrics).
+        self.disk_full = False
+        self.disk_full_errors = 0
         # Taken back from the writer after a failure: written here, on the runtime's
         # thread (retried by it), before anything newer is handed to the writer.
         self._unwritten: deque[Batch] = deque()
@@ -276,6 +286,9 @@ class ClickHouseSink(runtime.Sink):
             if not refusal(exc):
                 raise
             error = exc
+        if disk_full(error):
+            self._out_of_space(batch, error)
+            raise runtime.RetriableError(f"insert {batch.token}: {_first_line(error)}") from error
         limit = partition_limit(error)
         if (blames_rows(error) or limit is not None) and any(m.record is None for m in batch.messages):
             # Stored as they came and refused for their rows: decode them (dead-lettering
@@ -332,8 +345,22 @@ class ClickHouseSink(runtime.Sink):
             self.rows_inserted += batch.rows
             self.inserts += 1
             crash = _CRASH_AFTER_INSERTS and self.inserts >= _CRASH_AFTER_INSERTS
+            recovered, self.disk_full = self.disk_full, False
+        if recovered:
+            log.warning("%s: space again, inserts land (batch %s); %d refused for space meanwhile",
+                        self.storage, batch.token, self.disk_full_errors)
         if crash:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def _out_of_space(self, batch: Batch, error: BaseException) -> None:
+        """Say once per episode that the data volume is full; count every refusal."""
+        with self._counting:
+            first, self.disk_full = not self.disk_full, True
+            self.disk_full_errors += 1
+        if first:
+            log.error("%s: no space left on the data volume (%s); batch %s (%d rows) and what "
+                      "follows wait, their Kafka offsets uncommitted, and are inserted again until "
+                      "space returns", self.storage, _first_line(error), batch.token, batch.rows)
 
     def _without_culprits(self, batch: Batch) -> list[Message]:
         """Dead-letter the records ClickHouse cannot take; return the others. Each is

@@ -65,6 +65,10 @@ RETRY_CODES = frozenset({
     1000,  # POCO_EXCEPTION
 })
 _CODE = re.compile(r"\bCode:\s*(\d+)")
+NOT_ENOUGH_SPACE = 243
+# A write that failed for space after ClickHouse had reserved it (a server's
+# CANNOT_WRITE_TO_FILE_DESCRIPTOR and the like) says so only in its text.
+_NO_SPACE = re.compile(r"No space left on device|errno:? ?28\b|ENOSPC", re.IGNORECASE)
 _PARTITIONS = re.compile(r"too many partitions for (a )?single insert block(?: \(more than (\d+)\))?",
                          re.IGNORECASE)
 DEFAULT_PARTITION_LIMIT = 100
@@ -87,6 +91,11 @@ def partition_limit(exc: BaseException) -> int | None:
     return int(match.group(2)) if match.group(2) else DEFAULT_PARTITION_LIMIT
 
 
+def disk_full(exc: BaseException) -> bool:
+    """The data volume is full: the insert did not fit, through no fault of its rows."""
+    return error_code(exc) == NOT_ENOUGH_SPACE or bool(_NO_SPACE.search(str(exc)))
+
+
 def refusal(exc: BaseException) -> bool:
     """Whether the loader handles ``exc`` from an insert (a ClickHouse error, or one the
     client raised serializing a row); anything else is a bug and propagates."""
@@ -104,6 +113,8 @@ def blames_rows(exc: BaseException) -> bool:
         return False
     if partition_limit(exc) is not None:
         return False  # no row is at fault; the batch is split (month_runs)
+    if disk_full(exc):
+        return False
     # A server error names its code; without one (the client closed, a transport
     # failure) nothing points at the rows.
     code = error_code(exc)

@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
             freeze_start_up_objects()
             log.info("loading from %s into %s", bootstrap_servers(), target.describe())
             sink = ClickHouseSink(client, database=target.database, max_rows=args.batch_rows,
-                                  max_wait_s=args.batch_ms / 1000, insert_clients=inserting)
+                                  max_wait_s=args.batch_ms / 1000, insert_clients=inserting,
+                                  storage=target.describe())
             serve(sink, group=args.group, topic_prefix=args.topic_prefix, stop=stop,
                   consumer_settings={"group_instance_id": args.instance_id} if args.instance_id else None,
                   exit_when_idle_s=args.exit_when_idle_s, **metrics_options(args))
