@@ -35,9 +35,15 @@ What it does
    step's longer time, its loss as an eval record), a slow first step, 1-8 ranks,
    2,000-3,000 steps each, loss falling with 2 % noise, grad norm noisy around a slowly
    falling level with rare benign bumps. Each should give no (non-info) alert.
-4. The issue's targets, each met or missed: recall >= 90 % of the labelled incidents; no
+4. The issue's targets, each met or missed: recall >= 95 % of the labelled incidents; no
    alert on healthy real runs nor on the synthetic ones; median detection delay <= 1 logged
    record.
+5. The mid-run variant: every log again from its middle line on, the first half dropped and
+   nothing else told (no config, no earlier step, no baseline: what ``trainmon ingest
+   --follow`` started mid-run, a backfilled excerpt or a restarted engine without its
+   checkpoint sees), and every synthetic control from its middle record on. Its incidents
+   are those of the second half (``second_half``); targets: >= 90 % of them caught, no
+   alert on a healthy log's or control's second half. Both tables are printed.
 
 Time
 ----
@@ -105,7 +111,7 @@ INF = math.inf
 # with no rules, can only be missed.
 KIND_RULES: dict[str, tuple[str, ...]] = {
     "nan": ("non_finite", "nan_iterations"),
-    "grad_norm_spike": ("grad_spike", "exploding_grad"),
+    "grad_norm_spike": ("grad_spike", "exploding_grad", "grad_norm_beyond_clip"),
     "loss_scale_collapse": ("loss_scale_collapse",),
     "skipped_iterations": ("skipped_iterations",),
     "throughput_drop": ("throughput_drop", "iteration_time_spike", "straggler"),
@@ -114,8 +120,16 @@ KIND_RULES: dict[str, tuple[str, ...]] = {
     # still hanging shows as silence (stalled) or as ranks at different steps.
     "hang": ("stalled", "rank_mismatch", "run_failed"),
     "crash": ("run_failed", "stalled"),
-    "zero_loss": ("zero_loss", "frozen_loss"),
+    # A logged 0.0 is not always a zero loss: the HF Trainer prints 0.0 for an interval of
+    # NaN losses (its logging_nan_inf_filter), and the parser says NaN where the grad norm
+    # shows it (hf-trainer-modernbert-nan-gradnorm-zero-loss.log), which non_finite reports.
+    "zero_loss": ("zero_loss", "frozen_loss", "non_finite"),
 }
+
+# Kinds labelled at the last step a run logged whose evidence comes after that step's line
+# (the traceback, the watchdog's timeout): in the mid-run variant, such an incident at the
+# last step of the dropped half is still in the kept half.
+AFTER_ITS_STEP = frozenset({"crash", "hang"})
 
 # The logs whose last line is the last line the job wrote (PROVENANCE.md: "the whole file",
 # "to the end of the file" of the job's own log). After their last record the job wrote
@@ -136,8 +150,9 @@ COMPLETE_LOGS = frozenset({
 })
 SILENCE_S = 3600.0  # wall clock after a complete log's last record
 
-TARGET_RECALL = 0.90
+TARGET_RECALL = 0.95
 TARGET_DELAY = 1
+TARGET_MID_RUN_RECALL = 0.90
 
 
 # -- scoring (pure: no engine, no files) ---------------------------------------------------
@@ -298,6 +313,20 @@ def targets(t: Totals) -> list[tuple[str, bool, str]]:
     ]
 
 
+def mid_run_targets(t: Totals) -> list[tuple[str, bool, str]]:
+    """(target, met, measured) for the mid-run variant: the incidents of the second halves
+    caught, no alert on the second half of a healthy real log or synthetic run."""
+    recall = t.recall
+    return [
+        (f"recall >= {TARGET_MID_RUN_RECALL:.0%} of the incidents in the second halves",
+         recall >= TARGET_MID_RUN_RECALL, f"{t.caught}/{t.incidents} = {recall:.0%}"),
+        ("0 alerts on the second halves of healthy real runs", t.false_healthy == 0,
+         f"{t.false_healthy}"),
+        ("0 alerts on the second halves of synthetic healthy runs", t.false_synthetic == 0,
+         f"{t.false_synthetic}"),
+    ]
+
+
 # -- the engine, in memory ------------------------------------------------------------------
 
 def run_engine(records: list[Record], silence_s: float | None = None) -> list[Alert]:
@@ -337,12 +366,12 @@ class Parsed:
     rejected: int
 
 
-def parse_log(path: Path) -> Parsed:
-    """The records ``trainmon ingest`` would send for the log, kinds the alerts read only,
-    with the synthetic clock for lines without a timestamp."""
+def parse_log(path: Path, lines: list[str] | None = None) -> Parsed:
+    """The records ``trainmon ingest`` would send for the log (or for ``lines`` of it), kinds
+    the alerts read only, with the synthetic clock for lines without a timestamp."""
     records: list[Record] = []
     session = Session(path.stem, records.append, host="replay", clock=lambda: NO_TIME)
-    for line in read_file(path):
+    for line in read_file(path) if lines is None else lines:
         session.feed(line)
     try:
         session.finish()
@@ -387,20 +416,48 @@ def label_incidents(label: dict) -> list[Incident]:
             for i in label.get("incidents") or []]
 
 
-def score_corpus() -> tuple[list[LogScore], list[str], int]:
-    """Per-log scores, a header line per log, and the records replayed."""
+def score_corpus(mid_run: bool = False) -> tuple[list[LogScore], list[str], int]:
+    """Per-log scores, a header line per log, and the records replayed. ``mid_run``: each log
+    from its middle line on (the mid-run variant, see ``second_half``)."""
     labels = yaml.safe_load((CORPUS / "LABELS.yaml").read_text())
     scores, headers, n = [], [], 0
     for name, label in labels.items():
-        parsed = parse_log(CORPUS / name)
+        incidents = label_incidents(label)
+        if mid_run:
+            lines = list(read_file(CORPUS / name))
+            dropped = parse_log(CORPUS / name, lines[: len(lines) // 2])
+            parsed = parse_log(CORPUS / name, lines[len(lines) // 2:])
+            incidents = second_half(incidents, dropped.records, parsed.records)
+        else:
+            parsed = parse_log(CORPUS / name)
         logged = logged_steps(parsed.records)
         alerts = run_engine(parsed.records, SILENCE_S if name in COMPLETE_LOGS else None)
-        scores.append(score_log(name, label_incidents(label), alerts, logged,
-                                healthy=bool(label.get("healthy"))))
+        scores.append(score_log(name, incidents, alerts, logged, healthy=bool(label.get("healthy"))))
         n += len(parsed.records)
         headers.append(describe_parsed(parsed, logged)
                        + ("; complete log: silence after it" if name in COMPLETE_LOGS else "; excerpt"))
     return scores, headers, n
+
+
+def second_half(incidents: list[Incident], dropped: list[Record], kept: list[Record]) -> list[Incident]:
+    """The incidents of a log replayed from its middle: those that go on past the last step the
+    dropped first half logged (one labelled without steps spans the log, so both halves), each
+    from the first step the kept half logged at the earliest. The replay knows nothing of the
+    dropped half: it is what a follow started mid-run, or a restarted engine, would see."""
+    cut = max((r.step for r in dropped if r.kind == "step"), default=-1)
+    first_kept = min((r.step for r in kept if r.kind == "step" and r.step > cut), default=None)
+    out = []
+    for i in incidents:
+        last = i.last_step if i.last_step is not None else i.first_step
+        if i.first_step is None:
+            out.append(i)
+        elif last > cut or (last == cut and i.kind in AFTER_ITS_STEP):
+            if first_kept is None:  # the kept half logs no step: the incident spans it
+                out.append(Incident(i.kind))
+            else:
+                first = max(i.first_step, first_kept)
+                out.append(Incident(i.kind, first, max(first, last)))
+    return out
 
 
 # -- synthetic healthy controls -------------------------------------------------------------
@@ -536,10 +593,14 @@ def synthetic_run(c: Control) -> list[Record]:
     return out
 
 
-def score_controls() -> tuple[list[LogScore], int]:
+def score_controls(mid_run: bool = False) -> tuple[list[LogScore], int]:
+    """The controls' scores and records replayed; ``mid_run``: each from its middle record
+    on (a resumed run, a restarted engine)."""
     scores, n = [], 0
     for c in CONTROLS:
         records = [r for r in synthetic_run(c) if r.kind in INPUT_KINDS]
+        if mid_run:
+            records = records[len(records) // 2:]
         n += len(records)
         scores.append(score_log(f"{c.name} ({c.ranks} rank{'s' * (c.ranks > 1)}, {c.steps} steps)",
                                 [], run_engine(records), logged_steps(records), healthy=True))
@@ -579,8 +640,8 @@ def print_log(score: LogScore, header: str) -> None:
         print("  no alerts")
 
 
-def print_totals(t: Totals) -> None:
-    print("\n== Totals")
+def print_totals(t: Totals, title: str = "Totals") -> None:
+    print(f"\n== {title}")
     print(f"recall: {t.caught}/{t.incidents} labelled incidents caught ({t.recall:.0%})")
     for kind, (caught, total) in sorted(t.by_kind.items()):
         rules = ", ".join(KIND_RULES.get(kind, ())) or "no rule watches for it"
@@ -595,9 +656,9 @@ def print_totals(t: Totals) -> None:
           f"(caught incidents' delays: {delays})")
 
 
-def print_targets(t: Totals) -> None:
-    print("\n== Targets")
-    for what, met, measured in targets(t):
+def print_targets(t: Totals, title: str = "Targets", which=targets) -> None:
+    print(f"\n== {title}")
+    for what, met, measured in which(t):
         print(f"  {'met   ' if met else 'MISSED'}  {what}: {measured}")
 
 
@@ -616,9 +677,23 @@ def main() -> int:
         print_log(score, "synthetic")
     totals = summarize(real, synthetic)
     print_totals(totals)
+
+    mid_real, mid_headers, _ = score_corpus(mid_run=True)
+    print("\n== Mid-run: every log from its middle line on (the first half dropped, nothing "
+          "else told), the synthetic runs from their middle record")
+    for score, header in zip(mid_real, mid_headers):
+        print_log(score, header)
+    mid_synthetic, _ = score_controls(mid_run=True)
+    for score in mid_synthetic:
+        print_log(score, "synthetic, second half")
+    mid_totals = summarize(mid_real, mid_synthetic)
+    print_totals(mid_totals, "Mid-run totals (incidents of the second halves)")
+
     print_targets(totals)
+    print_targets(mid_totals, "Mid-run targets", mid_run_targets)
     print(f"\n{len(real)} logs ({n_real:,} records) and {len(synthetic)} synthetic runs "
-          f"({n_synthetic:,} records) in {time.perf_counter() - started:.1f} s")
+          f"({n_synthetic:,} records), whole and from their middle, in "
+          f"{time.perf_counter() - started:.1f} s")
     return 0
 
 

@@ -96,11 +96,36 @@ def test_silence_after_a_complete_log_is_a_stall_and_the_end_of_an_excerpt_is_no
 
 def test_the_corpus_and_the_controls_raise_no_false_alert():
     """The benchmark itself (a few seconds): no alert on a healthy real log nor on a
-    synthetic healthy run, detections within a logged record. Recall is 15 of 20 labelled
-    incidents; the 5 missed are listed with their reasons in docs/alerts.md."""
+    synthetic healthy run, detections within a logged record, recall at its target."""
     real, _, _ = aq.score_corpus()
     synthetic, _ = aq.score_controls()
     totals = aq.summarize(real, synthetic)
     assert (totals.false_healthy, totals.false_synthetic) == (0, 0)
     assert totals.median_delay <= aq.TARGET_DELAY
-    assert totals.caught >= 15, totals.by_kind
+    assert totals.recall >= aq.TARGET_RECALL, totals.by_kind
+
+
+def test_from_the_middle_the_corpus_and_the_controls_raise_no_false_alert():
+    """The mid-run variant: every log from its middle line on and every control from its
+    middle record on, with no history: no alert on a healthy one, and the incidents of the
+    second halves caught (the target is printed; the test holds the floor, so a corpus
+    growing with harder logs does not fail it while the benchmark says MISSED)."""
+    real, _, _ = aq.score_corpus(mid_run=True)
+    synthetic, _ = aq.score_controls(mid_run=True)
+    totals = aq.summarize(real, synthetic)
+    assert (totals.false_healthy, totals.false_synthetic) == (0, 0)
+    assert totals.recall >= 0.85, totals.by_kind
+
+
+def test_the_second_half_keeps_the_incidents_that_go_on_past_the_cut():
+    """Steps 0-10 dropped, 12-40 kept: an incident over by 10 is gone, one going on past the
+    cut starts at the first kept step, a crash at the last dropped step (its traceback comes
+    after that step's line) and one labelled without steps stay."""
+    dropped = [aq.StepRecord(run_id="r", rank=0, world_size=1, host="h", time=aq.T0, event_id=f"d{s}", step=s)
+               for s in (0, 5, 10)]
+    kept = [r.model_copy(update={"step": s, "event_id": f"k{s}"}) for r, s in zip(dropped, (12, 20, 40))]
+    incidents = [aq.Incident("nan", 5, 10), aq.Incident("grad_norm_spike", 8, 20),
+                 aq.Incident("crash", 10, 10), aq.Incident("zero_loss")]
+    assert aq.second_half(incidents, dropped, kept) == [
+        aq.Incident("grad_norm_spike", 12, 20), aq.Incident("crash", 12, 12), aq.Incident("zero_loss")]
+    assert aq.second_half([aq.Incident("crash", 10, 10)], dropped, []) == [aq.Incident("crash")]

@@ -117,6 +117,7 @@ SCENARIOS = [
     Scenario("grad_spike", at(S, step={"norm": 8.0})),
     Scenario("exploding_grad", lambda s, r, step, gpu, moe: step.update(norm=150.0 + s) if S <= s <= S + 5
              else None, step=S + 2, also={"grad_spike"}),
+    Scenario("grad_norm_beyond_clip", at(S, step={"norm": 2000.0}), also={"grad_spike"}),
     Scenario("frozen_grad_norm", at(S, STEPS, step={"norm": 1.2345}), step=S + 4),
     Scenario("loss_spike", at(S, S + 3, step={"loss": 3.5}), step=S + 1),
     Scenario("loss_divergence", loss_rises_from(S, 0.015), step=(S + 15, S + 25), also={"loss_plateau"}),

@@ -131,7 +131,10 @@ class AlertEngine:
         if record.event == "start":
             run.set_ended(rs, False)
             run.pending_ends.discard(rs.rank)
-            return self._restarted(record, t, "started again")
+            out = self._restarted(record, t, "started again")
+            for rule in self._by_kind.get("run_start", ()):  # rules that read the run's config
+                _add(out, rule.observe(record, t, run, rs))
+            return out
         # Other topics may still hold this rank's last records: the end takes effect on
         # the next tick, which the service runs only once every partition is read.
         run.set_ended(rs, True)

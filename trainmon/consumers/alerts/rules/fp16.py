@@ -71,6 +71,12 @@ class LossScaleCollapseRule(Rule, name="loss_scale_collapse", config=LossScaleCo
         if r.step <= cfg.warmup_steps:
             return None  # the scaler calibrates from its initial scale: skipped_iterations says so
         trim(st.recent, r.step, cfg.window_steps)
+        if r.skipped and (not st.recent or scale < st.recent[-1][1]):
+            # An overflow skipped the step and the scaler backed off: the step ran at twice
+            # the scale reported after it (DeepSpeed's, Megatron's and torch.amp's backoff is
+            # 2; DeepSpeed says so: "Attempted loss scale: 16, reducing to 8"). Its first
+            # record of a run read from the middle then already shows one halving.
+            st.recent.append((r.step, 2.0 * scale))
         before = max((v for _, v in st.recent), default=None)
         st.recent.append((r.step, scale))
         if scale <= cfg.min_scale:

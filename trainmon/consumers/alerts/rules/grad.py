@@ -4,6 +4,7 @@ run's own scale, a norm that stopped changing."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 from pydantic import Field
@@ -110,6 +111,103 @@ class ExplodingGradRule(BaselineRule, name="exploding_grad", config=ExplodingGra
                 f"{history(len(w))}) on {self.cfg.fire_after} records in a row (limit "
                 f"{self.cfg.factor:g}x)"), False
         return False
+
+
+# Where a run's config names its gradient clipping threshold: Megatron's --clip-grad, the
+# HF Trainer's max_grad_norm, nanoGPT's grad_clip, DeepSpeed's gradient_clipping,
+# Lightning's gradient_clip_val, torchtitan's max_norm.
+CLIP_SETTINGS = ("clip_grad", "max_grad_norm", "grad_clip", "gradient_clipping",
+                 "gradient_clip_val", "max_norm")
+
+
+def clip_of(config: dict) -> tuple[bool, float | None]:
+    """(whether the config names a clipping threshold, the threshold or None for none:
+    0, negative or null turns clipping off)."""
+    for key in CLIP_SETTINGS:
+        if key in config:
+            value = config[key]
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            return True, float(value) if ok and 0 < value < math.inf else None
+    return False, None
+
+
+class GradNormBeyondClip(RuleConfig):
+    # The clipping threshold of a run whose config (its run record) names none: 1.0, the
+    # default of Megatron, the HF Trainer, torchtitan and nanoGPT.
+    clip: float = Field(1.0, gt=0)
+    factor: float = Field(1000.0, gt=1)  # norm >= factor x clip: bad whatever came before
+    # While the rank has fewer than `min_samples` earlier norms (a follow started mid-run, a
+    # restarted engine) and is past a fresh run's first `fresh_steps` steps (whose norms
+    # are large, from the random initialisation), >= early_factor x clip is bad too.
+    early_factor: float = Field(100.0, gt=1)
+    min_samples: int = Field(3, ge=1)
+    fresh_steps: int = Field(10, ge=0)
+    cooldown_s: float = Field(0.0, ge=0)  # every spike of this size is news
+    escalate_factor: Optional[float] = Field(10.0, gt=1)
+
+
+@dataclass(slots=True)
+class Clip:
+    named: bool = False  # the run's config named its threshold
+    clip: Optional[float] = None  # that threshold; None: clipping off
+
+
+@dataclass(slots=True)
+class NormsSeen:
+    count: int = 0  # finite grad norms of the rank so far
+
+
+class GradNormBeyondClipRule(Rule, name="grad_norm_beyond_clip", config=GradNormBeyondClip):
+    """The grad norm against the run's clipping threshold, a scale known before the first
+    record: evidence that needs no history of the run's own (grad_spike's), so it also
+    judges the first records a follow or a restarted engine sees."""
+
+    kinds = ("step", "run_start")
+    rank_state = NormsSeen
+    run_state = Clip
+    fires_when = ("grad norm >= {factor} x the run's clipping threshold (its config's "
+                  "`clip_grad`, `max_grad_norm`, `grad_clip`, ..., else `clip`={clip.value}, "
+                  "the frameworks' default; none when the config turns clipping off); or >= "
+                  "{early_factor} x it while the rank has fewer than {min_samples} earlier norms "
+                  "(no baseline: a follow started mid-run, a restarted engine) past step "
+                  "{fresh_steps} (a fresh run's first norms are large); {escalate_factor}")
+    catches = ("a gradient explosion in the first records anyone sees of a run, and one orders "
+               "of magnitude beyond clipping whatever the run's own scale")
+    checked_on = ("megatron-deepspeed-qwen25-7b-finetune-gradnorm.log (1802 and 2908 at "
+                  "iterations 6-7, 1002 at 10, with `clip_grad` 1.0; its other norms, 54-894, "
+                  "are silent), hf-trainer-swift-gemma4-full-epoch-tail.log read from its "
+                  "middle (109.7 at 294, its first record); silent on the healthy corpus logs "
+                  "and torchtitan-kimik3-probe-cp2-20steps-healthy.log (12.3 at step 3)")
+
+    def observe(self, r, t, run, rank):
+        if r.kind == "run":
+            named, clip = clip_of(r.config)
+            if named:
+                st = run.slot(self)
+                st.named, st.clip = True, clip
+            return None
+        norm = r.norm
+        if norm is None or not math.isfinite(norm):
+            return None
+        cfg = self.cfg
+        st = run.slot(self)
+        clip = st.clip if st.named else cfg.clip
+        seen = rank.slot(self)
+        earlier, seen.count = seen.count, seen.count + 1
+        if clip is None:
+            return None
+        ratio = norm / clip
+        early = earlier < cfg.min_samples and r.step > cfg.fresh_steps
+        limit = cfg.factor if ratio >= cfg.factor or not early else cfg.early_factor
+        if ratio < limit:
+            return self.good(run, rank, step=r.step, t=t, value=norm)
+        source = "the run's config" if st.named else "assumed: the frameworks' default"
+        basis = "" if limit == cfg.factor else (
+            f", with {'no earlier norm' if not earlier else f'only {earlier} earlier norms'} "
+            f"of this rank to judge it by")
+        return self.bad(run, rank, step=r.step, t=t, value=norm, threshold=limit * clip, message=(
+            f"grad norm {sig4(norm)} on run {run.run_id}, rank {rank.rank}, step {r.step} is "
+            f"{ratio:,.0f}x the clipping threshold {clip:g} ({source}; limit {limit:g}x{basis})"))
 
 
 class FrozenGradNorm(RuleConfig):
