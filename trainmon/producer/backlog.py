@@ -4,7 +4,10 @@ On disk (the spill file, a write-ahead log: see spill.py) while the spill direct
 written, so a rank killed during an outage keeps what it logged. Where it cannot (a
 read-only or full disk, a file in the path), the records wait in memory instead, up to
 ``memory_bound`` records, and only records beyond that are dropped: an unusable spill
-directory costs nothing while Kafka comes back before the bound is reached.
+directory costs nothing while Kafka comes back before the bound is reached. The disk is
+tried again at most once every ``DISK_RETRY_S`` while records wait in memory: once it
+takes them (space freed, say), those not in flight move back to the file, behind what
+it holds, and newer records follow them there.
 
 The sender reads a batch (:meth:`peek`), hands it to Kafka and, once Kafka has
 acknowledged all of it, lets it go (:meth:`acknowledge`). Order: once records wait in
@@ -15,6 +18,7 @@ is always read first.
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from typing import NamedTuple
 
@@ -23,10 +27,14 @@ from ..schemas import count
 from .spill import SpillFile
 
 
+DISK_RETRY_S = 1.0  # how often a disk that failed is tried again while records wait in memory
+
+
 class Kept(NamedTuple):
     on_disk: bool  # in the spill file (else in memory, as far as the bound allowed)
     dropped: int  # records beyond the memory bound
     disk_error: OSError | None  # why the spill file could not take them
+    moved_to_disk: int = 0  # records that waited in memory and are in the file now
 
 
 class Backlog:
@@ -40,6 +48,7 @@ class Backlog:
         self._memory: deque[Entry] = deque()
         self.in_memory = 0  # records waiting in memory
         self._peeked_from_memory = 0  # entries the last peek took from memory (0: from disk)
+        self._disk_retry_at = 0.0  # monotonic time before which a failed disk is not tried
 
     @property
     def on_disk(self) -> int:
@@ -52,12 +61,11 @@ class Backlog:
     def add(self, entries: list[Entry]) -> Kept:
         with self._lock:
             error = None
-            if not self._memory:
-                try:
-                    self.spill.append(entries)
-                    return Kept(True, 0, None)
-                except OSError as exc:
-                    error = exc
+            if not self._memory or time.monotonic() >= self._disk_retry_at:
+                kept = self._to_disk(entries)
+                if kept.on_disk:
+                    return kept
+                error = kept.disk_error
             dropped = 0
             for entry in entries:
                 records = count(entry[2])
@@ -67,6 +75,28 @@ class Backlog:
                 self._memory.append(entry)
                 self.in_memory += records
             return Kept(False, dropped, error)
+
+    def retry_disk(self) -> Kept | None:
+        """Records waiting in memory go back to the file if the disk takes them now (tried
+        at most once every DISK_RETRY_S); None when nothing was tried."""
+        with self._lock:
+            if not self._memory or time.monotonic() < self._disk_retry_at:
+                return None
+            return self._to_disk([])
+
+    def _to_disk(self, entries: list[Entry]) -> Kept:  # (holding the lock)
+        """Into the file: memory's records not in flight first (they are older), then these."""
+        waiting = list(self._memory)[self._peeked_from_memory:]
+        try:
+            self.spill.append(waiting + entries)
+        except OSError as exc:
+            self._disk_retry_at = time.monotonic() + DISK_RETRY_S
+            return Kept(False, 0, exc)
+        moved = sum(count(entry[2]) for entry in waiting)
+        for _ in waiting:
+            self._memory.pop()
+        self.in_memory -= moved
+        return Kept(True, 0, None, moved)
 
     def peek(self, max_bytes: int) -> list[Entry]:
         """The oldest entries, about max_bytes of them; they stay until acknowledged."""

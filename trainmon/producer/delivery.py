@@ -12,6 +12,7 @@ kafka-python's own thread), and :meth:`keep` from a log call that found the queu
 
 from __future__ import annotations
 
+import errno
 import logging
 import time
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from ..backoff import Backoff
 from ..kafka_client.errors import TransportUnavailable
 from ..kafka_client.transport import Entry, Transport, Undelivered
 from ..schemas import count
-from .backlog import Backlog
+from .backlog import DISK_RETRY_S, Backlog, Kept
 from .spill import SpillFile, claim_orphans
 
 log = logging.getLogger("trainmon.producer")
@@ -57,11 +58,15 @@ class Delivery:
         self.retry_at = 0.0  # no sends before this monotonic time
         self._resending: _Resend | None = None  # a batch of the backlog Kafka has not answered yet
         self._backoff = Backoff(first_s=0.5, max_s=5.0)
-        self._disk_error_reported = False
+        # The spill directory failing (full, read-only, not a directory): why, while it
+        # lasts (None once it takes records again), and how many times it refused them.
+        self.spill_error: OSError | None = None
+        self.spill_errors = 0
         self._drop_reported = False
 
     def deliver(self, messages: list[Entry]) -> bool:
         """Send, or keep behind what waits; True when messages left for Kafka now."""
+        self.retry_disk()
         if time.monotonic() < self.retry_at:
             self.keep(messages)
             return False
@@ -176,12 +181,7 @@ class Delivery:
         if not entries:
             return True
         kept = self.backlog.add(entries)
-        if kept.disk_error is not None and not self._disk_error_reported:
-            self._disk_error_reported = True
-            log.error("trainmon: cannot keep records in the spill directory %s (%s): records Kafka "
-                      "has not acknowledged wait in memory instead, up to %d, and a rank killed "
-                      "before Kafka takes them loses them (this is said once)",
-                      self.spill_dir, kept.disk_error, self.backlog.memory_bound)
+        self._said_disk(kept)
         if kept.dropped:
             self.dropped += kept.dropped
             if not self._drop_reported:
@@ -191,6 +191,31 @@ class Delivery:
                           "is in the message at exit and in producer.dropped)",
                           self.backlog.memory_bound)
         return kept.on_disk
+
+    def retry_disk(self) -> None:
+        """While records wait in memory for a spill directory that failed, try it again
+        (once a second at most): a disk with room again takes them back."""
+        if self.backlog.in_memory:
+            kept = self.backlog.retry_disk()
+            if kept is not None:
+                self._said_disk(kept)
+
+    def _said_disk(self, kept: Kept) -> None:
+        """The spill directory failing, or taking records again: said once each time."""
+        if kept.disk_error is not None:
+            self.spill_errors += 1
+            if self.spill_error is None:
+                log.error("trainmon: cannot keep records in the spill directory %s (%s): records Kafka "
+                          "has not acknowledged wait in memory instead, up to %d, and a rank killed "
+                          "before Kafka takes them loses them; the directory is tried again every "
+                          "%.0f s (this is said once, and again should it recover and fail again)",
+                          self.spill_dir, _said(kept.disk_error), self.backlog.memory_bound,
+                          DISK_RETRY_S)
+            self.spill_error = kept.disk_error
+        elif kept.on_disk and self.spill_error is not None:
+            self.spill_error = None
+            log.warning("trainmon: the spill directory %s takes records again: %d records that waited "
+                        "in memory are in %s now", self.spill_dir, kept.moved_to_disk, self.spill.path)
 
     def adopt_orphans(self) -> None:
         """Earlier producers' spill files left on this machine: their records join the
@@ -236,3 +261,11 @@ class Delivery:
             self.spill.close()
         except OSError:
             pass
+
+
+def _said(error: OSError) -> str:
+    """An OSError as a log line says it: a full disk as "no space left", whatever the
+    platform's wording."""
+    if error.errno == errno.ENOSPC:
+        return f"no space left on the device: {error}"
+    return str(error)

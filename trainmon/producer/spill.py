@@ -8,7 +8,14 @@ while a retry is in flight included) leaves it in the file. A producer that star
 claims files whose lock is free (their owner exited or was killed) and sends what they
 hold, so records outlive the process that logged them. A kill can at worst leave a
 record both in Kafka and in the file: it is sent twice, and every consumer keeps one row
-per event id. Writes are not fsync'd: a killed process loses nothing the kernel holds, a
+per event id.
+
+A full disk: an append that does not fit is taken back whole (the file is cut to where
+it ended), so the file never holds a torn record and the caller keeps the records
+elsewhere. Dropping an acknowledged part rewrites the rest into a new file, which may
+not fit either: then the file stays as it is and only its read position moves past the
+acknowledged part (``head``), until a later rewrite fits; a claimer after a kill sends
+that part again (twice, never lost). Writes are not fsync'd: a killed process loses nothing the kernel holds, a
 machine that loses power can lose the file's last seconds.
 """
 
@@ -57,7 +64,8 @@ class SpillFile:
         self._lock = threading.Lock()
         self._fd: int | None = None
         self.count = 0  # records waiting in the file
-        self._read_end = 0  # bytes of the file the last read returned
+        self.head = 0  # bytes at the front of the file already acknowledged (not yet cut off)
+        self._read_end = 0  # where in the file the last read ended
         self._read_records = 0
 
     def _open(self) -> int:
@@ -91,13 +99,13 @@ class SpillFile:
                 return []
             data = b""
             while True:  # until a whole line is in hand (a line may exceed max_bytes)
-                chunk = os.pread(self._fd, max_bytes if not data else 1 << 16, len(data))
+                chunk = os.pread(self._fd, max_bytes if not data else 1 << 16, self.head + len(data))
                 data += chunk
                 end = data.rfind(b"\n") + 1
                 if end or not chunk:
                     break
         entries = _load(data[:end].decode())
-        self._read_end = end  # (only the sender thread reads and acknowledges)
+        self._read_end = self.head + end  # (only the sender thread reads and acknowledges)
         self._read_records = sum(count(value) for _, _, value in entries)
         return entries
 
@@ -109,9 +117,13 @@ class SpillFile:
             size = os.fstat(self._fd).st_size
             if self._read_end >= size:
                 os.ftruncate(self._fd, 0)  # the usual case: everything was sent
-                self.count = 0
+                self.count = self.head = 0
             else:
-                self._keep_only_after(self._read_end, size)
+                try:
+                    self._keep_only_after(self._read_end, size)
+                    self.head = 0
+                except OSError:  # no room for the rewrite (a full disk): cut it off later
+                    self.head = self._read_end
                 self.count = max(0, self.count - self._read_records)
             self._read_end = self._read_records = 0
 
@@ -147,7 +159,7 @@ class SpillFile:
     def forget_after_fork(self) -> None:
         # The child shares the parent's open file and lock; it must not touch either.
         self._fd = None
-        self.count = 0
+        self.count = self.head = 0
 
 
 def claim_orphans(directory: Path, keep: Callable[[list[Entry]], bool], own: Path | None = None) -> None:

@@ -168,9 +168,30 @@ class Worker:
         return self._backlog.in_memory
 
     @property
+    def spill_error(self) -> OSError | None:
+        """Why the spill directory refuses records (e.g. ENOSPC: a full disk), while it
+        does; None once it takes them again."""
+        return self._delivery.spill_error
+
+    @property
+    def spill_errors(self) -> int:
+        """How many times the spill directory refused records (a counter for metrics)."""
+        return self._delivery.spill_errors
+
+    @property
     def queued(self) -> int:
         """Records handed to submit and not yet taken by the worker thread."""
         return self._items.qsize()
+
+    @property
+    def in_flight(self) -> int:
+        """Messages handed to Kafka and not answered yet."""
+        return self._transport.in_flight
+
+    @property
+    def last_sent_at(self) -> float | None:
+        """When (time.monotonic) records last left for Kafka; None before the first."""
+        return self._last_sent if self._last_sent > 0 else None
 
     @property
     def spill_path(self):

@@ -1,0 +1,243 @@
+"""Disks that fill, on small tmpfs filesystems each test mounts for itself (skipped, with
+the reason, without root or without permission to mount): the producer's spill directory,
+the ClickHouse data volume and the broker's log directory. For each: nothing acknowledged
+is lost (exact counts), the condition is said (a log line naming the path and "no space
+left") and is in a plain attribute for metrics, the place is kept (no offset committed
+past a row not written), and the service recovers by itself once the filler file that
+filled the disk is deleted.
+
+The broker cannot recover in place: Kafka stops itself when its only log directory fails
+(a full disk included). "Recovers" there means the producers keep every record (spill
+file) while it is down, and the broker restarted once space returns has them all.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from trainmon import topics
+from trainmon.consumers import serving
+from trainmon.consumers.clickhouse import create_all, loader
+from trainmon.consumers.clickhouse.client import Target, connect
+from trainmon.consumers.memory_stream import memory_streams
+from trainmon.consumers.runtime import RetryPolicy
+from trainmon.kafka_client import TopicPartition
+from trainmon.kafka_client.memory_consumer import committed_offsets
+from trainmon.kafka_client.memory_transport import MemoryBroker
+from trainmon.producer import Producer, ProducerConfig
+from trainmon.producer.spill import SpillFile
+from trainmon.schemas import StepRecord, encode, pack, unpack
+
+from .samples import envelope
+from .waiting import wait_until
+
+
+class SmallDisk:
+    """A tmpfs of ``size`` mounted at ``path``; ``fill`` writes a filler file until the
+    disk is full (or only ``leave`` bytes are free), ``free`` deletes it."""
+
+    def __init__(self, path: Path, size: str):
+        self.path = path
+        self.filler = path / "filler"
+        path.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() != 0:
+            pytest.skip("mounting a small tmpfs needs root")
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
+
+    def fill(self, leave: int = 0) -> None:
+        with open(self.filler, "ab") as out:
+            try:
+                while True:
+                    out.write(b"\0" * (1 << 16))
+                    out.flush()
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC, exc
+        if leave:
+            os.truncate(self.filler, max(0, self.filler.stat().st_size - leave))
+        assert self.free_bytes() <= leave
+
+    def free_bytes(self) -> int:
+        stat = os.statvfs(self.path)
+        return stat.f_bavail * stat.f_frsize
+
+    def free(self) -> None:
+        self.filler.unlink()
+
+    def unmount(self) -> None:
+        if subprocess.run(["umount", str(self.path)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(self.path)], check=True)  # something still open
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    disks: list[SmallDisk] = []
+
+    def mount(size: str, name: str = "disk") -> SmallDisk:
+        disk = SmallDisk(tmp_path / name, size)
+        disks.append(disk)
+        return disk
+
+    yield mount
+    for disk in disks:
+        disk.unmount()
+
+
+def said(caplog, *words: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if all(w in r.getMessage() for w in words)]
+
+
+def steps_of(values: list[bytes]) -> list[int]:
+    return [json.loads(record)["step"] for value in values for record in unpack(value)]
+
+
+# -- the producer's spill directory ----------------------------------------------------------
+
+def test_a_spill_directory_that_fills_loses_nothing_and_takes_records_again_once_freed(
+        small_disk, caplog):
+    """Kafka away: 200 records go to the spill file; the disk fills, with 8 KiB left so
+    that the next append is cut off mid-write (taken back whole); the next 300 wait in
+    memory, said once with the path; the filler deleted, they move back to the file; the
+    broker back, all 600 arrive, each once and in order."""
+    disk = small_disk("1m")
+    spill_dir = disk.path / "spill"
+    broker = MemoryBroker()
+    producer = Producer(ProducerConfig(run_id="full", spill_dir=spill_dir, queue_size=10_000),
+                        transport=broker.transport)
+    caplog.set_level(logging.WARNING, logger="trainmon.producer")
+    try:
+        broker.up = False
+        for step in range(200):
+            producer.log_step(step, loss=1.0)
+        wait_until(lambda: producer.spilled == 200, what="200 records in the spill file")
+
+        disk.fill(leave=8 << 10)
+        for step in range(200, 500):
+            producer.log_step(step, loss=1.0, timers={"forward": 1.0, "backward": 2.0})
+        wait_until(lambda: producer.spilled + producer.held_in_memory == 500, what="500 records kept")
+        assert producer.held_in_memory > 0 and producer.dropped == 0
+        worker = producer._worker
+        assert worker.spill_error is not None and worker.spill_error.errno == errno.ENOSPC
+        assert worker.spill_errors >= 1
+        full = said(caplog, "cannot keep records", str(spill_dir), "no space left")
+        assert len(full) == 1, [r.getMessage() for r in caplog.records]
+        # The file holds whole records only: the append cut off by the full disk was taken back.
+        lines = producer._worker.spill_path.read_text().splitlines()
+        assert all(json.loads(line) for line in lines)
+        assert sum(len(unpack(json.loads(line)[2].encode())) for line in lines) == producer.spilled
+
+        disk.free()
+        for step in range(500, 600):  # the disk is tried again within a second
+            producer.log_step(step, loss=1.0)
+        wait_until(lambda: producer.spilled == 600, timeout=10, what="every record back in the file")
+        assert producer.held_in_memory == 0 and worker.spill_error is None
+        assert said(caplog, "takes records again", str(spill_dir))
+
+        broker.up = True
+        assert producer.flush(10)
+        assert sorted(steps_of(broker.values("trainmon.step"))) == list(range(600))  # each once
+        assert producer.dropped == 0
+    finally:
+        producer.close(timeout=1)
+
+
+def test_an_acknowledgement_with_no_room_to_rewrite_the_spill_file_loses_nothing(small_disk):
+    """Dropping the acknowledged front of the file rewrites the rest into a new file; on a
+    full disk that cannot be done: the file stays, its read position moves on, and the
+    rewrite happens at a later acknowledgement once there is room."""
+    disk = small_disk("256k")
+    spill = SpillFile(disk.path, "run.0")
+    record = lambda i: ("t", b"k", f'{{"i":{i},"pad":"{"x" * 200}"}}'.encode())  # noqa: E731
+    spill.append([record(i) for i in range(100)])
+    first = spill.read(10_000)
+    spill.append([record(i) for i in range(100, 110)])  # spilled during the resend
+    disk.fill()
+    spill.acknowledge()  # the rewrite does not fit
+    assert spill.head > 0 and spill.count == 110 - len(first)
+
+    rest = []
+    while spill.count:
+        batch = spill.read(10_000)
+        rest += batch
+        spill.acknowledge()
+        if len(rest) > 40 and disk.filler.exists():
+            disk.free()  # room again: the next rewrite fits
+    got = [json.loads(v)["i"] for _, _, v in first + rest]
+    assert got == list(range(110))  # each once, in order
+    assert spill.head == 0 and spill.path.stat().st_size == 0
+    spill.close()
+
+
+# -- the ClickHouse data volume --------------------------------------------------------------
+
+PREFIX = "full."
+GROUP = "full.clickhouse"
+STEP_0 = TopicPartition(topics.topic_for("step", PREFIX), 0)
+
+
+def steps(first: int, n: int) -> bytes:
+    return pack([encode(StepRecord(**envelope(i, rank=0), step=i, loss=1.0, norm=1.0))
+                 for i in range(first, first + n)])
+
+
+def stored(client) -> int:
+    return client.query("SELECT count() FROM trainmon.step").result_rows[0][0]
+
+
+def test_a_full_clickhouse_volume_holds_the_batch_uncommitted_and_loads_it_once_freed(small_disk, caplog):
+    disk = small_disk("48m")
+    client = connect(Target(path=disk.path / "chdb"))
+    create_all(client, "trainmon")
+    broker = MemoryBroker()
+    broker.append(STEP_0.topic, b"full-run", steps(0, 100))
+    sink = loader.ClickHouseSink(client, database="trainmon", max_rows=1_000, max_wait_s=0.05,
+                                 storage=f"chdb:{disk.path / 'chdb'}/trainmon")
+    stop = threading.Event()
+    runtime = serving.attach(sink, group=GROUP, topic_prefix=PREFIX, stop=stop,
+                             retry=RetryPolicy(0.05, 0.2), open_stream=memory_streams(broker))
+    caplog.set_level(logging.WARNING)
+    running = threading.Thread(target=runtime.run, name="loader")
+    running.start()
+    try:
+        wait_until(lambda: committed_offsets(broker, GROUP).get(STEP_0) == 1, what="the first batch committed")
+        assert stored(client) == 100
+
+        disk.fill()
+        for first in range(100, 1_000, 100):
+            broker.append(STEP_0.topic, b"full-run", steps(first, 100))
+        wait_until(lambda: sink.disk_full_errors >= 3, what="inserts refused for space, retried")
+        assert sink.disk_full
+        assert committed_offsets(broker, GROUP)[STEP_0] == 1  # not past the rows not written
+        assert stored(client) == 100
+        full = said(caplog, "no space left", str(disk.path / "chdb"))
+        assert len(full) == 1, [r.getMessage() for r in caplog.records][-5:]
+        assert runtime.stream.dead_letters == 0
+
+        disk.free()
+        wait_until(lambda: committed_offsets(broker, GROUP).get(STEP_0) == 10, what="everything committed")
+        assert not sink.disk_full
+        assert said(caplog, "space again")
+    finally:
+        stop.set()
+        running.join(30)
+        client.close()
+    assert not running.is_alive()
+    check = connect(Target(path=disk.path / "chdb"))
+    try:
+        rows = check.query("SELECT count(), uniqExact(step), min(step), max(step) FROM trainmon.step FINAL")
+        assert rows.result_rows[0] == (1_000, 1_000, 0, 999)
+        assert check.query("SELECT count() FROM trainmon.step").result_rows[0][0] == 1_000  # once each
+    finally:
+        check.close()
