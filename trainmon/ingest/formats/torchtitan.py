@@ -10,10 +10,10 @@ per second per device; ``memory`` the peak reserved by the caching allocator sin
 last line (sent as an allocator record, in bytes).
 
 Checkpoint saves: ``Saving the checkpoint (or staging if async is enabled).`` (older:
-``Saving a full checkpoint at step 10``, ``Saving a model weights only checkpoint in
-torch.bfloat16 at last step, step 10.``) is a "started" record, ``Finished saving the
-checkpoint (or staging if async is enabled)in 3.45 seconds.`` a "saved" one with that
-duration, both at the step the line names, else the last metrics line's.
+``Saving a full checkpoint at step 10``, ``... at last step, step 1000.``, ``Saving a model
+weights only checkpoint in torch.bfloat16 at last step, step 10.``) is a "started" record,
+``Finished saving the checkpoint (or staging if async is enabled)in 3.45 seconds.`` a "saved"
+one with that duration, both at the step the line names, else the last metrics line's.
 """
 
 from __future__ import annotations
@@ -34,10 +34,10 @@ _DETECT = re.compile(r"(?:^|[\s-])step:\s*\d+\s+loss:\s*\S+\s+(?:grad_norm:\s*\S
 _DONE = re.compile(r"\bINFO - Training completed\s*$")
 # The trainer's own start line, so that a run which dies before its first metrics line
 # (an OOM in step 1) is still read as torchtitan: trainer.py logs it before the loop.
-_STARTS = re.compile(r"\bINFO - Training starts at step \d+\s*$")
+_STARTS = re.compile(r"\bINFO - Training starts at step \d+\.?\s*$")
 GIB = 1024 ** 3
 _SAME_PRINT = timedelta(seconds=60)
-_SAVING = re.compile(r"\bSaving (?:the checkpoint|a full checkpoint at step (\d+)|"
+_SAVING = re.compile(r"\bSaving (?:the checkpoint|a full checkpoint at (?:last step, )?step (\d+)|"
                      r"a model (?:weights )?only checkpoint .*?\bstep (\d+))")
 _SAVED = re.compile(r"\bFinished saving the checkpoint\b.*?\bin\s*([\d.]+)\s*seconds")
 
