@@ -124,3 +124,24 @@ def test_a_megatron_line_without_its_loss_is_a_nan_alert():
     _, untouched = ingest(raw_lines(QWEN))
     assert not [s for rule, s in rules_fired(untouched) if rule == "non_finite"]
     assert not any(re.search(r"iteration +10/.*lm loss", line) for line in lines)
+
+
+def test_an_overflow_at_the_floor_fires_even_while_the_scaler_calibrates():
+    """``Attempted loss scale: 1, reducing to 1`` at step 98 (of transformers#14531): the
+    scaler has nowhere to go, so the calibration's grace (100 iterations) does not apply."""
+    from .test_ingest_conventions import FLOOR
+
+    _, records = ingest([FLOOR], fmt="hf-trainer")
+    assert ("loss_scale_collapse", 98) in rules_fired(records)
+
+
+def test_the_hf_trainers_max_grad_norm_is_the_threshold():
+    """A follow's first dict at step 500 with grad_norm 45: 45x the default 1.0 is quiet,
+    150x the run's printed ``max_grad_norm=0.3`` fires."""
+    from .test_ingest_conventions import BAR
+
+    first = BAR.format(n=500) + "{'loss': 1.2, 'grad_norm': 45.0, 'epoch': 0.1}"
+    _, records = ingest([first], fmt="hf-trainer")
+    assert rules_fired(records) == []
+    _, records = ingest(["max_grad_norm=0.3,", first], fmt="hf-trainer")
+    assert rules_fired(records) == [("grad_norm_beyond_clip", 500)]

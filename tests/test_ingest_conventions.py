@@ -101,3 +101,35 @@ def test_nanogpt_wandb_exit_footer_ends_the_run():
         assert (end.event, end.status) == ("end", "success")
     _, cut = ingest([line for line in lines if not line.startswith("wandb: Find logs at:")])
     assert [r.event for r in of_kind(cut, "run")] == ["start"]
+
+
+# -- DeepSpeed's fp16 loss scaler (loss_scaler.py update_scale) ---------------------------------
+
+# A bar as the HF Trainer draws it before DeepSpeed's line (the corpus log's), and the
+# overflow lines of deepspeedai/DeepSpeed#5779 (hysteresis) and huggingface/transformers#14531
+# (pre-2021 "[deepscale]" prefix, at the floor).
+BAR = " 14%|█▍        | {n}/2724 [14:02:33<86:01:24, 132.12s/it]"
+HYSTERESIS = ("[2024-07-17 19:44:06,829] [INFO] [loss_scaler.py:190:update_scale] [deepspeed] OVERFLOW! "
+              "Rank 0 Skipping step. Attempted loss scale: 65536, but hysteresis is 2. Reducing hysteresis to 1")
+REDUCING = ("[2024-07-17 19:44:06,945] [INFO] [loss_scaler.py:183:update_scale] [deepspeed] OVERFLOW! "
+            "Rank 0 Skipping step. Attempted loss scale: 65536, reducing to 32768")
+FLOOR = ("  0%|▋       | 98/24128 [00:40<2:40:10,  2.50it/s][2021-11-27 00:36:54,800] [INFO] "
+         "[stage2.py:1628:step] [deepscale] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 1, reducing to 1")
+
+
+def test_deepspeed_overflow_absorbed_by_hysteresis_is_a_skipped_step_at_the_same_scale():
+    _, records = ingest([BAR.format(n=5) + HYSTERESIS, BAR.format(n=6) + REDUCING], fmt="hf-trainer")
+    assert [(s.step, s.skipped, s.loss_scale) for s in of_kind(records, "step")] == [
+        (5, 1, 65536.0), (6, 1, 32768.0)]
+
+
+def test_deepscale_overflow_at_the_floor_is_a_skipped_step_at_scale_one():
+    _, records = ingest([FLOOR], fmt="hf-trainer")
+    assert [(s.step, s.skipped, s.loss_scale) for s in of_kind(records, "step")] == [(98, 1, 1.0)]
+
+
+def test_hf_trainer_max_grad_norm_goes_into_the_runs_config():
+    """The TrainingArguments repr prints ``max_grad_norm=0.3,`` on a line of its own."""
+    _, records = ingest(["max_grad_norm=0.3,", "{'loss': 1.2, 'grad_norm': 0.9, 'epoch': 0.1}"])
+    (start,) = [r for r in of_kind(records, "run") if r.event == "start"]
+    assert start.config["max_grad_norm"] == 0.3

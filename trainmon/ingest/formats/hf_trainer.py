@@ -28,7 +28,11 @@ An evaluation dict takes the training bar's counter, else the step of the last l
 DeepSpeed's fp16 loss scaler prints ``[deepspeed] OVERFLOW! Rank 0 Skipping step.
 Attempted loss scale: 64, reducing to 32`` for each step it skips: a step record at the
 bar's counter with no loss, ``skipped`` 1 and the reduced ``loss_scale`` (Megatron's
-fields), so the skipped-iteration and loss-scale rules see a cascade as it happens.
+fields), so the skipped-iteration and loss-scale rules see a cascade as it happens. An
+overflow its hysteresis absorbs (``Attempted loss scale: 65536, but hysteresis is 2.
+Reducing hysteresis to 1``) is a skipped step too, at an unchanged scale; ``Attempted loss
+scale: 1, reducing to 1`` a scale at its floor. ``max_grad_norm=`` of the printed
+TrainingArguments goes into the run's config (the clipping threshold).
 
 A ``'loss': 0.0`` next to a NaN or infinite ``grad_norm`` is a NaN loss: with
 ``logging_nan_inf_filter`` (on by default) the Trainer replaces a step's NaN or infinite
@@ -64,8 +68,14 @@ _FIRST_STEP = re.compile(r"\blogging_first_step=True\b")
 # eval_loss, and with a metric key prefix: eval_snli_loss, mrpc_en_eval_loss
 _EVAL_LOSS = re.compile(r"(?:^|_)eval(?:_\w+)?_loss$")
 _SAVING = re.compile(r"\bSaving model checkpoint to (\S+)")
-_OVERFLOW = re.compile(r"\[deepspeed\] OVERFLOW! Rank \d+ Skipping step\. "
-                       r"Attempted loss scale: [\d.e+-]+, reducing to ([\d.e+-]+)")
+# DeepSpeed's loss_scaler.py (update_scale), on an overflow: either
+#     overflow_msg += f" Attempted loss scale: {int(self.cur_scale)}, reducing to {int(next_scale)}"
+# or, while its hysteresis absorbs the overflow (the scale stays),
+#     overflow_msg += f" Attempted loss scale: {int(self.cur_scale)}, but hysteresis is {self.cur_hysteresis}. ..."
+# The step is skipped either way. Releases before 2021 said "[deepscale]".
+_OVERFLOW = re.compile(r"\[deep(?:speed|scale)\] OVERFLOW! Rank \d+ Skipping step\. "
+                       r"Attempted loss scale: ([\d.e+-]+), (?:reducing to ([\d.e+-]+)|but hysteresis is)")
+_MAX_GRAD_NORM = re.compile(r"\bmax_grad_norm=([\d.e+-]+|None)")  # TrainingArguments, as printed
 _MAX_WRAPPED_LINES = 8
 GIB = 1024 ** 3
 
@@ -111,7 +121,7 @@ class HfTrainerParser(FormatParser):
             if "Saving model checkpoint" in text and (saving := _SAVING.search(text)):
                 return self._checkpoint(saving.group(1), line)
             if "OVERFLOW!" in text and (overflow := _OVERFLOW.search(text)):
-                return self._overflow(try_number(overflow.group(1)), line)
+                return self._overflow(try_number(overflow.group(2) or overflow.group(1)), line)
             self._read_setup(text)
             return []
         if not m.group(1) and not joined:  # no closing brace: the rest is on the next lines
@@ -151,6 +161,8 @@ class HfTrainerParser(FormatParser):
                     self._total = value
         if (m := _LOGGING_STEPS.search(text)) is not None:
             self._logging_steps = try_number(m.group(1))
+        if (m := _MAX_GRAD_NORM.search(text)) is not None:  # the clipping threshold, for the rules
+            self.config["max_grad_norm"] = None if m.group(1) == "None" else try_number(m.group(1))
         if _FIRST_STEP.search(text):
             self._first_step = True
 

@@ -49,10 +49,12 @@ class LossScaleCollapseRule(Rule, name="loss_scale_collapse", config=LossScaleCo
     kinds = ("step",)
     worse_when_higher = False
     rank_state = LossScales
-    fires_when = ("fp16 only (a loss scale ever other than 1.0; bf16 and fp32 print a constant "
-                  "1.0, which never alerts): after iteration {warmup_steps}, the scale <= its max "
-                  "over the last {window_steps} iterations / {drop_factor} (three halvings: an "
-                  "overflow cascade), or <= {min_scale}; {escalate_factor}")
+    fires_when = ("fp16 only (a loss scale ever other than 1.0, or a skipped step; bf16 and fp32 "
+                  "print a constant 1.0, which never alerts): after iteration {warmup_steps}, the "
+                  "scale <= its max over the last {window_steps} iterations / {drop_factor} (three "
+                  "halvings: an overflow cascade; a skipped step ran at twice the scale reported "
+                  "after it), or <= {min_scale}; a skipped step at <= {min_scale} also before; "
+                  "{escalate_factor}")
     catches = "dynamic loss scaling collapsing under repeated overflows"
     checked_on = ("megatron-transformer-xl-fp16-loss-scale-collapse.log (64 at 400 -> 8 at 500; 0.1 "
                   "at 800 escalates); silent on the seven bf16 Megatron logs (the old rule fired on "
@@ -63,13 +65,16 @@ class LossScaleCollapseRule(Rule, name="loss_scale_collapse", config=LossScaleCo
         if scale is None or math.isnan(scale):
             return None
         st = rank.slot(self)
-        if scale != 1.0:
-            st.fp16 = True
+        if scale != 1.0 or r.skipped:
+            st.fp16 = True  # bf16 and fp32 print 1.0 and skip nothing for an overflow
         if not st.fp16:
             return None
         cfg = self.cfg
-        if r.step <= cfg.warmup_steps:
-            return None  # the scaler calibrates from its initial scale: skipped_iterations says so
+        if r.step <= cfg.warmup_steps and not (scale <= cfg.min_scale and r.skipped):
+            # The scaler calibrates from its initial scale (skipped_iterations says so);
+            # but one that overflows at its floor (DeepSpeed's "Attempted loss scale: 1,
+            # reducing to 1") has nowhere to go: every step is skipped from then on.
+            return None
         trim(st.recent, r.step, cfg.window_steps)
         if r.skipped and (not st.recent or scale < st.recent[-1][1]):
             # An overflow skipped the step and the scaler backed off: the step ran at twice
