@@ -42,3 +42,15 @@ def test_torchtitan_oom_before_the_first_metrics_line():
     assert (end.event, end.status) == ("end", "failed")
     assert end.reason.startswith("CUDA out of memory: torch.OutOfMemoryError: CUDA out of "
                                  "memory. Tried to allocate 640.00 MiB.")
+
+
+TITAN_RESUME = "torchtitan-llama3-8b-resume-at-step-400-two-excerpts.log"
+
+
+def test_torchtitan_resumed_run_is_read_with_its_final_save():
+    # "Training starts at step 401." (with the old full stop) names the format; "Saving a full
+    # checkpoint at last step, step 1000." then "Finished saving ... in 49.21 seconds."
+    session, records = ingest(raw_lines(TITAN_RESUME))
+    assert session.format == "torchtitan" and LABELS[TITAN_RESUME]["resumes_from_step"] == 400
+    saves = [(r.event, r.step, r.duration_ms) for r in of_kind(records, "checkpoint")]
+    assert saves == [("started", 1000, None), ("saved", 1000, 49210.0)]
