@@ -145,3 +145,15 @@ def test_the_hf_trainers_max_grad_norm_is_the_threshold():
     assert rules_fired(records) == []
     _, records = ingest(["max_grad_norm=0.3,", first], fmt="hf-trainer")
     assert rules_fired(records) == [("grad_norm_beyond_clip", 500)]
+
+
+# -- the training loss against the latest eval -------------------------------------------------
+
+
+def test_a_resumed_run_whose_loss_blew_up_after_its_first_eval_fires_on_its_second_record():
+    """Read from step 500: an eval at 500 (loss ~2.1), then the training loss at 6 from 501:
+    no history of training losses, but 3x the eval the model just had."""
+    blown = resumed(500, 520, eval_every=500, mutate=lambda s, r, step, *_: step.update(loss=6.0) if s > 500 else None)
+    assert ("train_loss_above_eval", 502) in rules_fired(blown)
+    healthy = resumed(500, 520, eval_every=5)
+    assert rules_fired(healthy) == []

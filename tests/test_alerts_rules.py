@@ -126,6 +126,8 @@ SCENARIOS = [
     Scenario("eval_loss_spike", at(S, S + 2, step={"eval_loss": 4.0}), bad_run=dict(eval_every=5)),
     Scenario("eval_divergence", overfitting_from(S), step=(S + 5, S + 15), bad_run=dict(eval_every=5),
              also={"eval_loss_spike"}),
+    Scenario("train_loss_above_eval", at(S, S + 3, step={"loss": 7.0}), step=S + 1,
+             bad_run=dict(eval_every=5), also={"loss_spike"}),
     Scenario("loss_scale_collapse", loss_scale_halving_from(S), step=S + 2),
     Scenario("skipped_iterations", at(S, S + 5, step={"skipped": 1}), step=S + 2),
     Scenario("lr_zero", at(S, STEPS, step={"lr": 0.0}), step=S + 2),

@@ -1,5 +1,6 @@
-"""Eval-loss rules: a spike against the recent evals of the same eval set, and eval rising
-while the training loss falls (overfitting)."""
+"""Eval-loss rules: a spike against the recent evals of the same eval set, eval rising
+while the training loss falls (overfitting), and the training loss far above the latest
+eval (a blow-up judged without a history of training losses)."""
 
 from __future__ import annotations
 
@@ -133,3 +134,53 @@ class EvalDivergenceRule(Rule, name="eval_divergence", config=EvalDivergence):
                 f"while the training loss fell from {sig4(best.train)} to {sig4(train)} (median of "
                 f"the last {len(st.train.values)} steps): overfitting?"))
         return self.good(run, rank, step=r.step, t=t, value=loss)
+
+
+class TrainAboveEval(RuleConfig):
+    # train loss >= (1 + rise) x the latest eval loss (the first eval set of its step) on
+    # `fire_after` records in a row.
+    rise: float = Field(1.0, gt=0)
+    fire_after: int = Field(2, ge=1)
+
+
+@dataclass(slots=True)
+class LatestEval:
+    step: Optional[int] = None  # as in EvalSets
+    i: int = 0
+    loss: Optional[float] = None  # the latest eval loss of the first eval set
+
+
+class TrainAboveEvalRule(Rule, name="train_loss_above_eval", config=TrainAboveEval):
+    """The training loss against the latest validation loss: the two measure the same model
+    on the same kind of data, so a training loss far above the last eval says the model
+    changed for the worse since, and needs no baseline of training losses (a follow
+    started mid-run, a restarted engine, a resumed run that loaded the wrong weights)."""
+
+    kinds = ("step", "eval")
+    rank_state = LatestEval
+    fires_when = ("training loss >= (1 + {rise}) x the latest eval loss (the first eval set of its "
+                  "step) on {fire_after.value} records in a row")
+    catches = ("a blow-up after the last eval, seen from the first training records after it: "
+               "no history of training losses needed")
+    checked_on = ("tests/test_alerts_first_records.py; silent on the corpus logs with evals (the "
+                  "modded-nanogpt single-step outliers 5.07 at 946 against val 3.4 are 1.5x)")
+
+    def observe(self, r, t, run, rank):
+        loss = r.loss
+        if loss is None or not math.isfinite(loss):
+            return None
+        st = rank.slot(self)
+        if r.kind == "eval":
+            if eval_set(st, r.step) == 0:
+                st.loss = loss
+            return None
+        latest = st.loss
+        if latest is None or latest <= 0:
+            return None  # no eval yet, or a loss that can be negative: no ratio to judge
+        limit = (1.0 + self.cfg.rise) * latest
+        if loss < limit:
+            return self.good(run, rank, step=r.step, t=t, value=loss)
+        return self.bad(run, rank, step=r.step, t=t, value=loss, threshold=limit, message=(
+            f"training loss far above the latest eval on run {run.run_id}, rank {rank.rank}, "
+            f"step {r.step}: {sig4(loss)} is {loss / latest:.1f}x the eval loss {sig4(latest)} at "
+            f"step {st.step} (limit {1 + self.cfg.rise:g}x, {self.cfg.fire_after} records in a row)"))
