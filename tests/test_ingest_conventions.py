@@ -133,3 +133,20 @@ def test_hf_trainer_max_grad_norm_goes_into_the_runs_config():
     _, records = ingest(["max_grad_norm=0.3,", "{'loss': 1.2, 'grad_norm': 0.9, 'epoch': 0.1}"])
     (start,) = [r for r in of_kind(records, "run") if r.event == "start"]
     assert start.config["max_grad_norm"] == 0.3
+
+
+# -- torchtitan: a rank without the pipeline's last stage logs loss -1.0 ------------------------
+
+# pytorch/torchtitan#1232 ("PP report loss=-1"): rank 0 of a 16-stage pipeline.
+PP_FIRST_STAGE = [
+    "[rank0]:[titan] 2025-05-28 21:13:37,816 - root - INFO - step:  1  loss: -1.0000  memory: 36.90GiB(46.63%)  tps: 4  tflops: 0.90  mfu: 0.29%",
+    "[rank0]:[titan] 2025-05-28 21:14:39,054 - root - INFO - step:  2  loss: -1.0000  memory: 42.78GiB(54.06%)  tps: 8  tflops: 1.81  mfu: 0.58%",
+]
+
+
+def test_torchtitan_loss_minus_one_is_no_loss():
+    """A stand-in, not a loss: the step records keep tps/tflops and carry no loss (a frozen
+    or negative loss would otherwise be reported on every pipeline-parallel run)."""
+    _, records = ingest(PP_FIRST_STAGE)
+    steps = of_kind(records, "step")
+    assert [(s.step, s.loss, s.tflops_per_gpu) for s in steps] == [(1, None, 0.9), (2, None, 1.81)]

@@ -5,7 +5,9 @@ lines.py, the colour codes too; what is left starts ``- root - INFO - ``)::
     validate step: 20  loss:  9.3507  memory: 69.81GiB(88.17%)  tps: 74,600
     Training completed
 
-Older releases print ``wps`` for ``tps`` and no grad norm or tflops. ``tps`` is tokens
+Older releases print ``wps`` for ``tps`` and no grad norm or tflops. ``loss: -1.0000`` is
+the stand-in of a rank without the pipeline's last stage (no loss there: the record has
+none); ``mfu: N/A`` a device whose peak FLOPS torchtitan does not know (no value). ``tps`` is tokens
 per second per device; ``memory`` the peak reserved by the caching allocator since the
 last line (sent as an allocator record, in bytes).
 
@@ -40,6 +42,15 @@ _SAME_PRINT = timedelta(seconds=60)
 _SAVING = re.compile(r"\bSaving (?:the checkpoint|a full checkpoint at (?:last step, )?step (\d+)|"
                      r"a model (?:weights )?only checkpoint .*?\bstep (\d+))")
 _SAVED = re.compile(r"\bFinished saving the checkpoint\b.*?\bin\s*([\d.]+)\s*seconds")
+
+# A rank without the pipeline's last stage computes no loss and logs a stand-in, train.py:
+#     loss = (
+#         torch.mean(torch.stack(losses)).to(self.device)
+#         if self.pp_has_last_stage
+#         else torch.tensor([-1.0], device=self.device)
+#     )
+# ("loss: -1.0000" on such a rank's metrics line): no loss was measured there.
+_NO_LAST_STAGE = -1.0
 
 # metrics-line field -> StepRecord field
 _STEP_FIELDS = {"grad_norm": "norm", "tps": "tokens_per_second", "wps": "tokens_per_second",
@@ -87,7 +98,9 @@ class TorchTitanParser(FormatParser):
         step, loss = int(m.group(1)), try_number(m.group(2))
         if loss is None or self._repeated("step", step, line):
             return []
-        fields: dict[str, Any] = {"step": step, "loss": loss}
+        fields: dict[str, Any] = {"step": step}
+        if loss != _NO_LAST_STAGE:
+            fields["loss"] = loss
         out = []
         for name, value in _FIELD.findall(m.group(3)):
             if name == "memory":
