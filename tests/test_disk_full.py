@@ -17,15 +17,14 @@ import errno
 import json
 import logging
 import os
-import shutil
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from trainmon import topics
+from trainmon.broker import Broker
 from trainmon.consumers import serving
 from trainmon.consumers.clickhouse import create_all, loader
 from trainmon.consumers.clickhouse.client import Target, connect
@@ -38,6 +37,7 @@ from trainmon.producer import Producer, ProducerConfig
 from trainmon.producer.spill import SpillFile
 from trainmon.schemas import StepRecord, encode, pack, unpack
 
+from .conftest import read_records
 from .samples import envelope
 from .waiting import wait_until
 
@@ -241,3 +241,45 @@ def test_a_full_clickhouse_volume_holds_the_batch_uncommitted_and_loads_it_once_
         assert check.query("SELECT count() FROM trainmon.step").result_rows[0][0] == 1_000  # once each
     finally:
         check.close()
+
+
+# -- the broker's log directory --------------------------------------------------------------
+
+@pytest.mark.kafka
+@pytest.mark.slow  # a broker of its own, on the small disk
+def test_a_full_broker_log_directory_stops_the_broker_and_a_restart_after_freeing_delivers_all(
+        small_disk, tmp_path, topic_prefix):
+    """Kafka stops itself when its only log directory fails (a full disk included): the
+    producer keeps every record (spill file) meanwhile and never raises; once the filler
+    is deleted, the broker restarted on the same directory has the records acknowledged
+    before the disk filled and, from the producer, all the others."""
+    data_dir = tmp_path / "broker"
+    disk = small_disk("64m", name="broker/logs")  # the broker's log.dirs, nothing else
+    broker = Broker(data_dir, heap="256m", partitions=1).start()
+    producer = Producer(ProducerConfig(bootstrap=broker.bootstrap, topic_prefix=topic_prefix,
+                                       run_id="full-broker", spill_dir=tmp_path / "spill", linger_ms=5))
+    try:
+        for step in range(100):
+            producer.log_step(step, loss=1.0)
+        assert producer.flush(30)  # acknowledged
+
+        disk.fill()
+        for step in range(100, 300):
+            assert producer.log_step(step, loss=1.0) is True  # never raises, never blocks
+        wait_until(lambda: not broker.running(), timeout=60, what="Kafka to stop on its failed log dir",
+                   pause=0.2, details=lambda: (data_dir / "broker.log").read_text()[-2000:])
+        said_by_kafka = (data_dir / "broker.log").read_text()
+        assert "No space left on device" in said_by_kafka and str(disk.path) in said_by_kafka
+        wait_until(lambda: producer.spilled + producer._worker.sent >= 200, timeout=30,
+                   what="the records kept while the broker is away")
+        assert producer.dropped == 0
+
+        disk.free()
+        broker = Broker(data_dir, heap="256m", partitions=1).start()  # same ports, same log dir
+        assert producer.flush(60), (producer.spilled, producer.held_in_memory)
+        records = read_records(broker.bootstrap, topic_prefix, "step", 300, timeout=30)
+        assert sorted({r.step for r in records}) == list(range(300))  # none lost
+        assert len(records) == 300  # none twice
+    finally:
+        producer.close(timeout=5)
+        broker.stop(kill=True)
