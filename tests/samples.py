@@ -57,6 +57,9 @@ SAMPLES: dict[str, dict] = {
     "disk": dict(step=8, path="/ckpt", free_bytes=2**41, total_bytes=2**43, used_bytes=2**42),
     "log_event": dict(level="error", source="nccl", signature="NCCL WARN x <N>", text="NCCL WARN x <59840>",
                       count=2**33, first_step=0, last_step=8),
+    "producer_health": dict(step=8, queued=3, in_flight=1, spilled=2**33, held_in_memory=0, sent=2**40,
+                            dropped=0, rejected=1, spill_errors=2,
+                            spill_error="OSError: [Errno 28] No space left on device", last_sent_age_s=INF),
 }
 
 
@@ -94,4 +97,5 @@ def log_one_of_each(producer, step: int = 1) -> None:
     producer.log_checkpoint(step, **sample("checkpoint", "step"))
     producer.log_disk(step, **sample("disk", "step"))
     producer.log_event(**sample("log_event"))
+    producer.report_health()  # (its fields are the producer's own)
     producer.run_end("success")

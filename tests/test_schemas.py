@@ -130,7 +130,8 @@ def test_a_record_kind_is_declared_once_by_its_model():
     from trainmon.schemas import RECORD_TYPES, STEP_KINDS, Record
 
     assert list(RECORD_TYPES) == list(Record.registry)[:len(RECORD_TYPES)]
-    assert set(STEP_KINDS) == {"step", "eval", "moe", "gpu", "allocator", "gpu_health", "checkpoint", "disk"}
+    assert set(STEP_KINDS) == {"step", "eval", "moe", "gpu", "allocator", "gpu_health", "checkpoint", "disk",
+                               "producer_health"}
     assert topics.all_topics("p.") == [f"p.{kind}" for kind in RECORD_TYPES] + ["p.deadletter"]
     read = {k for cls in RULE_CLASSES.values() for k in cls.kinds}
     assert read - {"step"} <= set(INPUT_KINDS) <= set(RECORD_TYPES)

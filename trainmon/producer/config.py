@@ -98,6 +98,8 @@ class ProducerConfig:
     # Free space of this directory's filesystem, as disk records (see producer/disk.py).
     checkpoint_dir: str | None = None
     disk_interval_s: float = 60.0
+    # The producer's own health as producer_health records (see producer/health.py); 0: none.
+    health_interval_s: float = 60.0
 
     @classmethod
     def from_env(cls, env=None, **overrides) -> "ProducerConfig":
@@ -119,6 +121,7 @@ class ProducerConfig:
             compression=env.get("TRAINMON_KAFKA_COMPRESSION", AUTO_COMPRESSION) or None,
             checkpoint_dir=env.get("TRAINMON_CHECKPOINT_DIR") or None,
             disk_interval_s=_seconds(env.get("TRAINMON_DISK_INTERVAL_S"), 60.0),
+            health_interval_s=_seconds(env.get("TRAINMON_PRODUCER_HEALTH_INTERVAL_S"), 60.0),
             pack_window_ms=int(_seconds(env.get("TRAINMON_PACK_WINDOW_MS"), 800)),
         )
         if spill_dir:

@@ -34,10 +34,11 @@ from .. import topics
 from ..filenames import safe_name
 from ..schemas import (AllocatorRecord, CheckpointRecord, DatasetRecord, DiskRecord, EvalRecord,
                        GpuHealthRecord, GpuModelRecord, GpuRecord, LogEventRecord, MoeRecord,
-                       Record, RunRecord, StepRecord)
+                       ProducerHealthRecord, Record, RunRecord, StepRecord)
 from .config import ProducerConfig
 from .deferred import EARLIEST_TIME, LATEST_TIME, checked_values, queued
 from .disk import DiskSampler
+from .health import HealthReporter, health_fields
 from .surogate import ConsoleLine, JsonLogFile
 from ..kafka_client.transport import Transport, TransportSettings, Undelivered
 from ..kafka_client.transport_choice import make_transport
@@ -133,6 +134,10 @@ class Producer:
                 lambda fields: (p := self_ref()) is not None and p._emit(DiskRecord, fields),
                 cfg.checkpoint_dir, cfg.disk_interval_s,
                 step=lambda: getattr(self_ref(), "_last_step", 0)).start()
+        self._health: HealthReporter | None = None
+        if cfg.health_interval_s > 0 and cfg.enabled and self.disabled_reason is None:
+            self._health = HealthReporter(lambda: (p := self_ref()) is not None and p.report_health(),
+                                          cfg.health_interval_s).start()
 
     def _new_id_prefix(self) -> None:
         # Ids are prefix + counter: unique across processes (a forked child gets its own
@@ -327,6 +332,13 @@ class Producer:
         """Records waiting in memory for Kafka, because the spill file cannot be written."""
         return self._worker.held_in_memory
 
+    @_never_raises("producer_health")
+    def report_health(self) -> bool:
+        """Log a producer_health record now: what waits for Kafka and where, what was lost
+        (the health thread calls this every TRAINMON_PRODUCER_HEALTH_INTERVAL_S)."""
+        return self._emit(ProducerHealthRecord, health_fields(self._worker, self._last_step,
+                                                              sum(self.rejected.values())))
+
     def flush(self, timeout: float = 10.0) -> bool:
         return self._worker.flush(timeout)
 
@@ -334,6 +346,11 @@ class Producer:
         if self._disk is not None:
             self._disk.stop()
             self._disk = None
+        if self._health is not None:
+            health, self._health = self._health, None
+            health.stop()
+            if health.sent:  # a run long enough to report: its last word, before the final flush
+                self.report_health()
         ok = self._worker.close(timeout)
         if self._log_file:
             self._log_file.close()

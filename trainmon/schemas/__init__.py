@@ -38,6 +38,7 @@ from .records import (
     GpuRecord,
     LogEventRecord,
     MoeRecord,
+    ProducerHealthRecord,
     RunRecord,
     StepRecord,
 )
@@ -204,5 +205,5 @@ __all__ = [
     "UNKNOWN_FIELDS", "schema_fingerprint", "unpack",
     "StepRecord", "EvalRecord", "MoeRecord", "GpuRecord", "AllocatorRecord", "AllocatorSegment",
     "DatasetRecord", "GpuModelRecord", "RunRecord", "AlertRecord", "GpuHealthRecord",
-    "CheckpointRecord", "DiskRecord", "LogEventRecord",
+    "CheckpointRecord", "DiskRecord", "LogEventRecord", "ProducerHealthRecord",
 ]

@@ -334,3 +334,30 @@ class LogEventRecord(Record):
     count: Count = Field(ge=1)  # occurrences on this rank so far
     first_step: Optional[Count] = None  # the last step logged before the first occurrence
     last_step: Optional[Count] = None  # ... before the latest occurrence
+
+
+class ProducerHealthRecord(Record):
+    """The producer's own health: what waits for Kafka and where, what was lost. Sent by a
+    timer on a thread of its own every ``TRAINMON_PRODUCER_HEALTH_INTERVAL_S`` (60; 0: never),
+    never by a log call, and once more at close when the run was long enough to send one.
+
+    It travels like every record: while Kafka is away it waits in the spill file with the
+    others and arrives once the broker is back, so the records of an outage tell
+    afterwards how it went (``spilled`` rising, ``last_sent_age_s`` growing). Counts marked
+    "so far" add up from the producer's start; the others are as of the record's time."""
+
+    kind = "producer_health"
+
+    step: Count  # the latest step the producer had logged (0 before the first)
+    queued: Count  # records logged and not yet taken by the sender thread
+    in_flight: Count  # messages handed to Kafka and not answered yet
+    spilled: Count  # records waiting in the spill file for Kafka
+    held_in_memory: Count  # records waiting in memory (the spill directory refused them)
+    sent: Count  # so far: records handed to Kafka and not reported failed
+    dropped: Count  # so far: records lost (neither Kafka, nor the spill file, nor memory took them)
+    rejected: Count  # so far: records refused for their values (each said in the job's log)
+    spill_errors: Count  # so far: times the spill directory refused records (full, read-only)
+    spill_error: Optional[str] = None  # why it refuses them now; None while it takes them
+    # Seconds since records last left for Kafka (handed over with nothing waiting before
+    # them); None before the first. Grows through an outage, whatever the job logs.
+    last_sent_age_s: Optional[NonNegativeOrNonFinite] = None
