@@ -224,10 +224,13 @@ def test_a_full_clickhouse_volume_holds_the_batch_uncommitted_and_loads_it_once_
         full = said(caplog, "no space left", str(disk.path / "chdb"))
         assert len(full) == 1, [r.getMessage() for r in caplog.records][-5:]
         assert runtime.stream.dead_letters == 0
+        metrics = runtime.metrics.registry
+        assert metrics.get_sample_value("trainmon_clickhouse_disk_full") == 1
+        assert metrics.get_sample_value("trainmon_clickhouse_disk_full_refusals_total") >= 3
 
         disk.free()
         wait_until(lambda: committed_offsets(broker, GROUP).get(STEP_0) == 10, what="everything committed")
-        assert not sink.disk_full
+        assert not sink.disk_full and metrics.get_sample_value("trainmon_clickhouse_disk_full") == 0
         assert said(caplog, "space again")
     finally:
         stop.set()

@@ -48,7 +48,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from prometheus_client import Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from ...kafka_client import TopicPartition
 from ...schemas import RECORD_TYPES
@@ -128,6 +128,7 @@ class ClickHouseSink(runtime.Sink):
         # disk_full_errors counts such refusals (plain attributes, for metrics).
         self.disk_full = False
         self.disk_full_errors = 0
+        self._refused_for_space: Counter | None = None  # its metric, once started
         # Taken back from the writer after a failure: written here, on the runtime's
         # thread (retried by it), before anything newer is handed to the writer.
         self._unwritten: deque[Batch] = deque()
@@ -146,6 +147,12 @@ class ClickHouseSink(runtime.Sink):
             "trainmon_clickhouse_insert_seconds", "Time one batch insert into ClickHouse took, per "
             "record kind (answered; a refused insert is not counted)", ["kind"],
             registry=context.metrics.registry, buckets=LATENCY_BUCKETS)
+        Gauge("trainmon_clickhouse_disk_full", "1 while the data volume refuses inserts for space "
+              "(rows wait, uncommitted, and are inserted once space returns)",
+              registry=context.metrics.registry).set_function(lambda: float(self.disk_full))
+        self._refused_for_space = Counter(
+            "trainmon_clickhouse_disk_full_refusals", "Inserts the data volume refused for space "
+            "(each retried)", registry=context.metrics.registry)
 
     def open(self, partitions: list[TopicPartition]) -> None:
         # One query at a time per client: a server's HTTP session refuses a second one
@@ -357,6 +364,8 @@ class ClickHouseSink(runtime.Sink):
         with self._counting:
             first, self.disk_full = not self.disk_full, True
             self.disk_full_errors += 1
+        if self._refused_for_space is not None:
+            self._refused_for_space.inc()
         if first:
             log.error("%s: no space left on the data volume (%s); batch %s (%d rows) and what "
                       "follows wait, their Kafka offsets uncommitted, and are inserted again until "
