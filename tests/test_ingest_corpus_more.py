@@ -118,3 +118,18 @@ def test_hf_trainer_string_values_and_padded_dicts():
     _, padded = ingest(raw_lines("hf-trainer-tinystories-fresh-start-loss-drop-healthy.log"))
     assert [r.loss for r in of_kind(padded, "step")] == [
         2.1048, 1.2131, 1.0123, 0.9023, 0.844, 0.7894, 0.7573]
+
+
+def test_swift_moe_8gpu_run_with_grad_norm_spikes():
+    name = "hf-trainer-ms-swift-gemma4-26b-a4b-moe-8gpu-fsdp2-gradnorm-spikes.log"
+    session, records = ingest(raw_lines(name))
+    assert dict(session.sent) == {"run": 2, "step": 30, "allocator": 30, "log_event": 5}
+    steps = by_step(records, "step")
+    assert sorted(steps) == list(range(1, 31))  # from 'global_step/max_steps': 'N/30'
+    # the labelled spikes: 'grad_norm': '140' (9), '177' (12), '142' (18)
+    assert {s: steps[s].norm for s in (8, 9, 10, 11, 12, 13, 17, 18, 19)} == {
+        8: 33.25, 9: 140.0, 10: 6.125, 11: 8.5, 12: 177.0, 13: 8.5, 17: 13.94, 18: 142.0, 19: 5.781}
+    assert (steps[1].loss, steps[30].loss) == (2.383, 1.249)
+    assert [(r.event, r.status) for r in of_kind(records, "run")] == [
+        ("start", "running"), ("end", "success")]
+    assert {r.step for r in of_kind(records, "allocator")} == set(range(1, 31))
