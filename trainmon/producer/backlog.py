@@ -80,8 +80,8 @@ class Backlog:
         """Records waiting in memory go back to the file if the disk takes them now (tried
         at most once every DISK_RETRY_S); None when nothing was tried."""
         with self._lock:
-            if not self._memory or time.monotonic() < self._disk_retry_at:
-                return None
+            if len(self._memory) <= self._peeked_from_memory or time.monotonic() < self._disk_retry_at:
+                return None  # (nothing waits but what is in flight: nothing to try the disk with)
             return self._to_disk([])
 
     def _to_disk(self, entries: list[Entry]) -> Kept:  # (holding the lock)
