@@ -100,6 +100,11 @@ def test_up_job_kill_report_down(tmp_path):
                                  shown, re.M) for name in ("clickhouse", "alerts", "tensorboard"))
 
         wait_for("each service's dead letters in trainmon status", metrics_shown, 30)
+        # Prometheus' file_sd targets: every endpoint, labelled with its service, answering.
+        targets = json.loads((stack / "prometheus-targets.json").read_text())
+        assert sorted(t["labels"]["service"] for t in targets) == ["alerts", "clickhouse", "supervisor", "tensorboard"]
+        for target in targets:
+            assert scrape(int(target["targets"][0].rsplit(":", 1)[1])).value("process_open_fds") > 0
         assert re.search(r"^supervisor +running \(pid \d+, metrics on 127.0.0.1:\d+\)$", shown.stdout, re.M)
 
         def torchrun(phase: str) -> None:

@@ -140,6 +140,10 @@ class Supervisor:
         signal.signal(signal.SIGTERM, lambda *_: self.stop.set())
         signal.signal(signal.SIGINT, lambda *_: self.stop.set())
         serve_supervisor_metrics(self)
+        try:
+            self._write_scrape_targets()
+        except OSError as exc:  # (a full disk: the services matter more)
+            self._say(f"cannot write the Prometheus targets: {exc!r}")
         while not self.stop.is_set():
             try:
                 for child in self.children:
@@ -200,6 +204,16 @@ class Supervisor:
                                           preexec_fn=end_with_parent(signal.SIGTERM))
         child.pid, child.started_at, child.since = child.proc.pid, now, time.time()
 
+    def _write_scrape_targets(self) -> None:
+        """``prometheus-targets.json``: every metrics endpoint of the stack, in the format
+        of Prometheus' file_sd_configs (docs/metrics.md), labelled with its service."""
+        host = "127.0.0.1" if self.metrics_listen in ("0.0.0.0", "::") else self.metrics_listen
+        ports = [("supervisor", self.metrics_port), *((c.service.name, c.metrics_port) for c in self.children)]
+        targets = [{"targets": [f"{host}:{port}"], "labels": {"service": name}} for name, port in ports if port]
+        tmp = self.stack / "prometheus-targets.json.tmp"
+        tmp.write_text(json.dumps(targets, indent=1))
+        tmp.replace(self.stack / "prometheus-targets.json")
+
     def _write_status(self) -> None:
         status = {"supervisor": os.getpid(), "metrics_port": self.metrics_port,
                   "metrics_listen": self.metrics_listen, "services": {
@@ -226,10 +240,10 @@ def free_ports(host: str, n: int) -> list[int]:
             s.close()
 
 
-def serve_supervisor_metrics(supervisor: Supervisor) -> None:
+def supervisor_registry(supervisor: Supervisor):
     """The supervisor's own metrics: per service, its restarts, whether it runs now, its
-    last exit code. A port it cannot have is said and otherwise ignored."""
-    from prometheus_client import CollectorRegistry, start_http_server
+    last exit code; and its process's."""
+    from prometheus_client import CollectorRegistry, ProcessCollector
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     class Services:
@@ -250,8 +264,18 @@ def serve_supervisor_metrics(supervisor: Supervisor) -> None:
 
     registry = CollectorRegistry()
     registry.register(Services())
+    ProcessCollector(registry=registry)
+    return registry
+
+
+def serve_supervisor_metrics(supervisor: Supervisor) -> None:
+    """:func:`supervisor_registry` on the supervisor's port; a port it cannot have is said
+    and otherwise ignored."""
+    from prometheus_client import start_http_server
+
     try:
-        start_http_server(supervisor.metrics_port, addr=supervisor.metrics_listen, registry=registry)
+        start_http_server(supervisor.metrics_port, addr=supervisor.metrics_listen,
+                          registry=supervisor_registry(supervisor))
     except OSError as exc:
         supervisor._say(f"cannot serve metrics on {supervisor.metrics_listen}:{supervisor.metrics_port} ({exc})")
         supervisor.metrics_port = None

@@ -21,7 +21,7 @@ import math
 import threading
 from typing import Iterable, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, start_http_server
 from prometheus_client.core import CounterMetricFamily
 
 log = logging.getLogger("trainmon.consumers")
@@ -41,6 +41,9 @@ class ServiceMetrics:
         self.service = service
         self.registry = CollectorRegistry()
         r = self.registry
+        # The process's memory, open files, threads (not given by prometheus-client), CPU:
+        # what a soak watches for leaks.
+        ProcessCollector(registry=r)
         self.read = Counter("trainmon_records_read", "Records read from the record topics and handed "
                             "to the sink, per record kind", ["kind"], registry=r)
         self.written = Counter("trainmon_records_written", "Records the sink has made durable (inserted, "
