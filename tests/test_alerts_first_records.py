@@ -69,10 +69,15 @@ def test_a_fresh_runs_first_steps_and_a_run_habitually_that_high_are_quiet():
 
 
 def test_three_orders_beyond_clip_fire_whatever_came_before():
-    """A run habitually at 120-140 (a finetune with clip 1.0): 1800 is still 1800x clip."""
+    """A run habitually at 120-140 whose config says clip_grad 1.0: 1800 is still 1800x
+    clip. With the threshold only assumed, 1800 must also be 2x the run's own level (it is,
+    13x); a run whose own level is 1e5 does not use the default and stays quiet."""
     records = resumed(500, 520, mutate=lambda s, r, step, *_: step.update(
         norm=1800.0 if s == 510 else 120.0 + s % 3 * 10))
+    assert ("grad_norm_beyond_clip", 510) in rules_fired(with_config(records, clip_grad=1.0))
     assert ("grad_norm_beyond_clip", 510) in rules_fired(records)
+    big = synthetic_run("big", t0=T0, steps=40, mutate=lambda s, r, step, *_: step.update(norm=1e5 + s))
+    assert rules_fired(big) == []
 
 
 def test_the_threshold_comes_from_the_runs_config():
@@ -85,18 +90,16 @@ def test_the_threshold_comes_from_the_runs_config():
 
 
 def test_real_logs_read_from_their_middle():
-    """Qwen2.5 from its middle line (iteration 4 on, no arguments dump): 1802 at iteration 6
-    is 1802x the default threshold. ms-swift's epoch tail from its middle line has one
-    record left, iteration 294's 109.7: two orders beyond clipping, no earlier norm."""
-    _, records = ingest(second_half(QWEN))
-    assert ("grad_norm_beyond_clip", 6) in rules_fired(records)
+    """ms-swift's epoch tail from its middle line has one record left, iteration 294's
+    109.7: two orders beyond the default threshold, no earlier norm."""
     _, records = ingest(second_half("hf-trainer-swift-gemma4-full-epoch-tail.log"))
     assert ("grad_norm_beyond_clip", 294) in rules_fired(records)
 
 
-def test_qwen_whole_log_with_its_clip_grad_fires_at_the_three_spikes_only():
-    """Whole, with ``clip_grad 1.0`` from its arguments: 1802 (6), 2908 (7), 1002 (10);
-    894 at iteration 1 and the 54-625 elsewhere are below 1000x."""
+def test_qwen_whole_log_fires_at_the_three_spikes_only():
+    """Whole (the log prints no arguments: the default 1.0 assumed): 1802 (6), 2908 (7),
+    1002 (10) are over 1000x and over 2x the run's median (430); 894 at iteration 1 and the
+    54-625 elsewhere are below 1000x."""
     _, records = ingest(raw_lines(QWEN))
     fired = [s for rule, s in rules_fired(records) if rule == "grad_norm_beyond_clip"]
     assert fired == [6, 10]  # 6-7 one incident
@@ -157,3 +160,47 @@ def test_a_resumed_run_whose_loss_blew_up_after_its_first_eval_fires_on_its_seco
     assert ("train_loss_above_eval", 502) in rules_fired(blown)
     healthy = resumed(500, 520, eval_every=5)
     assert rules_fired(healthy) == []
+
+
+# -- a jump between two logged records, against the logging interval ------------------------
+
+
+def every(k: int, records):
+    """The step records of every k-th step (a job that logs every k steps) and the rest."""
+    return [r for r in records if r.kind != "step" or r.step % k == 0]
+
+
+def test_a_jump_between_two_interval_averages_fires_from_the_second_record_a_follow_sees():
+    """Logged every 100 steps (Megatron's interval averages), read from step 1000: the loss
+    goes 2.0 -> 2.3 (+15 %) between the first two records: a level change for 100-step
+    averages (limit +10 %), and loss_spike has no baseline yet. The same +15 % between two
+    consecutive single steps is noise (limit +100 %)."""
+    def jump(s, r, step, *_):
+        step["loss"] = 2.0 + 0.001 * (s % 7) + (0.3 if s >= 1100 else 0.0)
+
+    averaged = every(100, resumed(1000, 1500, mutate=jump))
+    assert rules_fired(averaged) == [("loss_jump", 1100)]
+    per_step = resumed(1095, 1110, mutate=jump)
+    assert rules_fired(per_step) == []
+
+
+def test_a_fresh_runs_bouncing_loss_is_quiet():
+    """Steps 0-99 of a fresh run: the loss may bounce up between records (warm-up)."""
+    bouncing = every(10, synthetic_run("fresh", t0=T0, steps=100, mutate=lambda s, r, step, *_: step.update(
+        loss=8.0 - s * 0.05 + (1.5 if s == 40 else 0.0))))
+    assert [rule for rule, _ in rules_fired(bouncing) if rule == "loss_jump"] == []
+
+
+# -- a fresh run's warm-up is no baseline ----------------------------------------------------------
+
+
+def test_the_norms_of_the_lr_warm_up_leave_the_grad_spike_baseline():
+    """The gemma-4-26B MoE fine-tune: norms 220, 52.5, 308 while the learning rate warms up
+    (3 steps), 7-42 after, then 140 (9), 177 (12), 142 (18). Against a baseline that kept
+    the warm-up's norms none was a spike; against the norms after it each is, each its
+    own alert (no cooldown between spikes)."""
+    _, records = ingest(raw_lines("hf-trainer-ms-swift-gemma4-26b-a4b-moe-8gpu-fsdp2-gradnorm-spikes.log"))
+    fired = [s for rule, s in rules_fired(records) if rule == "grad_spike"]
+    assert fired[:3] == [9, 12, 18]
+    without_lr = [r.model_copy(update={"lr": None}) if r.kind == "step" else r for r in records]
+    assert [s for rule, s in rules_fired(without_lr) if rule == "grad_spike"][:1] != [9]

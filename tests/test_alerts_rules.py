@@ -27,7 +27,7 @@ SILENCE_S = 400.0  # the wall clock this long after each run's last record: a si
 TEST_SETTINGS = dict(
     loss_plateau_window=20, loss_plateau_fire_after=3, loss_plateau_clear_after=3,
     lr_zero_after_step=20, straggler_fire_after=3, stalled_min_s=30, rank_mismatch_grace_s=10,
-    wall_clock_slack_s=1, loss_scale_collapse_warmup_steps=10, skipped_iterations_warmup_steps=10,
+    wall_clock_slack_s=1, loss_scale_collapse_warmup_steps=10, loss_jump_after_step=10, skipped_iterations_warmup_steps=10,
     throughput_drop_fire_after_s=5, eval_loss_spike_window=3, ecc_corrected_rising_min_span_s=10,
 )
 
@@ -117,9 +117,10 @@ SCENARIOS = [
     Scenario("grad_spike", at(S, step={"norm": 8.0})),
     Scenario("exploding_grad", lambda s, r, step, gpu, moe: step.update(norm=150.0 + s) if S <= s <= S + 5
              else None, step=S + 2, also={"grad_spike"}),
-    Scenario("grad_norm_beyond_clip", at(S, step={"norm": 2000.0}), also={"grad_spike"}),
+    Scenario("grad_norm_beyond_clip", at(S, step={"norm": 150.0}), bad_run=dict(first_step=S)),
     Scenario("frozen_grad_norm", at(S, STEPS, step={"norm": 1.2345}), step=S + 4),
     Scenario("loss_spike", at(S, S + 3, step={"loss": 3.5}), step=S + 1),
+    Scenario("loss_jump", at(S, S + 3, step={"loss": 5.0}), also={"loss_spike"}),
     Scenario("loss_divergence", loss_rises_from(S, 0.015), step=(S + 15, S + 25), also={"loss_plateau"}),
     Scenario("loss_plateau", loss_rises_from(S), step=(S, S + 20 + 3)),
     Scenario("frozen_loss", at(S, STEPS, step={"loss": 2.3}), step=S + 7, also={"loss_plateau"}),
@@ -127,7 +128,7 @@ SCENARIOS = [
     Scenario("eval_divergence", overfitting_from(S), step=(S + 5, S + 15), bad_run=dict(eval_every=5),
              also={"eval_loss_spike"}),
     Scenario("train_loss_above_eval", at(S, S + 3, step={"loss": 7.0}), step=S + 1,
-             bad_run=dict(eval_every=5), also={"loss_spike"}),
+             bad_run=dict(eval_every=5), also={"loss_spike", "loss_jump"}),
     Scenario("loss_scale_collapse", loss_scale_halving_from(S), step=S + 2),
     Scenario("skipped_iterations", at(S, S + 5, step={"skipped": 1}), step=S + 2),
     Scenario("lr_zero", at(S, STEPS, step={"lr": 0.0}), step=S + 2),

@@ -137,8 +137,8 @@ class EvalDivergenceRule(Rule, name="eval_divergence", config=EvalDivergence):
 
 
 class TrainAboveEval(RuleConfig):
-    # train loss >= (1 + rise) x the latest eval loss (the first eval set of its step) on
-    # `fire_after` records in a row.
+    # train loss >= (1 + rise) x the latest eval loss (the highest of the eval sets of its
+    # step) on `fire_after` records in a row.
     rise: float = Field(1.0, gt=0)
     fire_after: int = Field(2, ge=1)
 
@@ -147,7 +147,7 @@ class TrainAboveEval(RuleConfig):
 class LatestEval:
     step: Optional[int] = None  # as in EvalSets
     i: int = 0
-    loss: Optional[float] = None  # the latest eval loss of the first eval set
+    loss: Optional[float] = None  # the highest eval loss of the latest eval step
 
 
 class TrainAboveEvalRule(Rule, name="train_loss_above_eval", config=TrainAboveEval):
@@ -158,8 +158,8 @@ class TrainAboveEvalRule(Rule, name="train_loss_above_eval", config=TrainAboveEv
 
     kinds = ("step", "eval")
     rank_state = LatestEval
-    fires_when = ("training loss >= (1 + {rise}) x the latest eval loss (the first eval set of its "
-                  "step) on {fire_after.value} records in a row")
+    fires_when = ("training loss >= (1 + {rise}) x the latest eval loss (the highest of the eval "
+                  "sets of its step) on {fire_after.value} records in a row")
     catches = ("a blow-up after the last eval, seen from the first training records after it: "
                "no history of training losses needed")
     checked_on = ("tests/test_alerts_first_records.py; silent on the corpus logs with evals (the "
@@ -171,8 +171,12 @@ class TrainAboveEvalRule(Rule, name="train_loss_above_eval", config=TrainAboveEv
             return None
         st = rank.slot(self)
         if r.kind == "eval":
-            if eval_set(st, r.step) == 0:
+            # Several eval sets (HF Trainer's eval_<name>_loss) need not be the training
+            # data: the hardest of them is the one a training loss must not be far above.
+            if eval_set(st, r.step) == 0 or st.loss is None:
                 st.loss = loss
+            else:
+                st.loss = max(st.loss, loss)
             return None
         latest = st.loss
         if latest is None or latest <= 0:

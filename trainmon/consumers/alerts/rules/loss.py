@@ -58,6 +58,60 @@ class LossSpikeRule(BaselineRule, name="loss_spike", config=LossSpike):
         return False
 
 
+class LossJump(RuleConfig):
+    # loss >= (1 + rise / sqrt(k)) x the previous record's, k the steps between them (at
+    # most `max_interval`), from step `after_step` on.
+    rise: float = Field(1.0, gt=0)
+    max_interval: int = Field(100, ge=1)
+    after_step: int = Field(100, ge=0)
+
+
+@dataclass(slots=True)
+class Previous:
+    step: Optional[int] = None
+    loss: Optional[float] = None
+
+
+class LossJumpRule(Rule, name="loss_jump", config=LossJump):
+    """A rise of the loss from one logged record to the next, measured against the logging
+    interval: Megatron and the HF Trainer log the average over the interval's k steps,
+    whose noise shrinks as 1/sqrt(k), so a rise that is noise between two single steps is
+    a change of level between two 100-step averages. Two records suffice: it judges the
+    first records of a follow started mid-run, where ``loss_spike`` has no baseline yet."""
+
+    kinds = ("step",)
+    rank_state = Previous
+    fires_when = ("loss >= (1 + {rise} / sqrt(k)) x the previous record's, k the steps between the "
+                  "two (up to {max_interval}: +10 % between 100-step averages, +100 % between "
+                  "consecutive steps), from step {after_step} on (a fresh run's loss bounces)")
+    catches = ("a jump of the loss level between two logged records, from the second record a "
+               "follow sees")
+    checked_on = ("tests/test_alerts_first_records.py; silent on the corpus (llamafactory +14 % "
+                  "between 10-step averages, the modded-nanogpt single-step outliers +45 %) and "
+                  "the controls, whole and from their middle")
+
+    def observe(self, r, t, run, rank):
+        loss = r.loss
+        if loss is None or not math.isfinite(loss):
+            return None
+        st = rank.slot(self)
+        before, since = st.loss, st.step
+        st.step, st.loss = r.step, loss
+        if before is None or since is None or r.step <= since or before <= 0:
+            return None  # the first record, a step logged again (a restart), or no ratio
+        if r.step < self.cfg.after_step:
+            return None
+        k = min(r.step - since, self.cfg.max_interval)
+        limit = (1.0 + self.cfg.rise / math.sqrt(k)) * before
+        if loss < limit:
+            return self.good(run, rank, step=r.step, t=t, value=loss)
+        return self.bad(run, rank, step=r.step, t=t, value=loss, threshold=limit, message=(
+            f"loss jump on run {run.run_id}, rank {rank.rank}, step {r.step}: {sig4(loss)} is "
+            f"{100 * (loss / before - 1):.0f}% above {sig4(before)} at step {since}, {r.step - since} "
+            f"step{'s' * (r.step - since > 1)} before (limit +{100 * (limit / before - 1):.0f}% for "
+            f"that interval)"))
+
+
 class LossDivergence(RuleConfig):
     # The median of the newer half of the last `window` losses is >= (1 + rise) x the lowest
     # such median of the run so far, and above the older half's: a sustained rise.
