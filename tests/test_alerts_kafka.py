@@ -80,6 +80,7 @@ def alerts_by_run(kafka_broker, tmp_path_factory):
         by_run.setdefault(a.run_id, []).append(a)
     by_run["__deadletters__"] = [json.loads(m.value) for m in
                                  read_topic(bootstrap, topics.topic_for(topics.DEADLETTER, prefix), len(GARBAGE))]
+    by_run["__metrics__"] = service.context.metrics.registry  # what its endpoint served
     return by_run
 
 
@@ -107,6 +108,19 @@ def test_bad_input_is_dead_lettered_and_the_rules_carry_on(alerts_by_run):
     assert {d["consumer"] for d in letters} == {f"{prefix}alerts"}  # the service's group
     assert any("not JSON" in d["error"] for d in letters)
     assert any("step" in d["error"] for d in letters)  # names the missing field
+
+
+def test_its_metrics_count_the_alerts_per_rule_and_the_dead_letters(alerts_by_run):
+    registry = alerts_by_run["__metrics__"]
+    published: dict[tuple[str, str], int] = {}
+    for run_id, alerts in alerts_by_run.items():
+        for a in alerts if not run_id.startswith("__") else []:
+            published[(a.rule, a.state)] = published.get((a.rule, a.state), 0) + 1
+    assert len(published) >= len(BY_RULE)
+    for (rule, state), n in published.items():
+        assert registry.get_sample_value("trainmon_alerts_total", {"rule": rule, "state": state}) == n
+    assert registry.get_sample_value("trainmon_records_dead_lettered_total", {"kind": "step"}) == len(GARBAGE)
+    assert registry.get_sample_value("trainmon_alert_engine_errors_total") == 0
 
 
 @pytest.mark.parametrize("rule", list(BY_RULE))
