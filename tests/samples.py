@@ -42,7 +42,7 @@ SAMPLES: dict[str, dict] = {
     "run": dict(event="start", status="running", name="llama-7b", project="p",
                 config={"lr": 3e-4, "layers": [1, 2], "nested": {"x": None, "nan": NAN}},
                 hostnames=["node-7", "node-8"], versions={"torch": "2.5.0"},
-                reason="restarted after a NCCL watchdog timeout"),
+                reason="restarted after a NCCL watchdog timeout", job_id="slurm-4242"),
     "alert": dict(rule="loss_nan", severity="critical", state="firing", incident_id="inc-1", ranks=[0, 3],
                   step=8, value=NAN, threshold=-INF, message="loss is NaN on ranks 0, 3"),
     "gpu_health": dict(step=8, id=3, ecc_volatile_corrected=1, ecc_volatile_uncorrected=0,

@@ -79,6 +79,7 @@ def test_headless_chromium_draws_every_plot(report, tmp_path):
     assert found, done.stderr[-2000:]
     seen = json.loads(found.group(1))
     assert seen["errors"] == [] and seen["images"] == seen["drawn"] == 6
-    assert seen["headings"][:3] == ["Alerts that fired", "Loss, grad norm and learning rate, with alerts",
+    assert seen["headings"][0].startswith("Goodput of job dash-run: ")  # the report leads with it
+    assert seen["headings"][1:4] == ["Alerts that fired", "Loss, grad norm and learning rate, with alerts",
                                     "Throughput and step time per rank"]
     assert {"Checkpoints and their disk", "Warnings and errors in the logs", "GPUs (NVML)"} <= set(seen["headings"])

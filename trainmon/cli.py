@@ -21,6 +21,8 @@ DELEGATED = {
                "read a training job's console log (Megatron, NeMo, torchtitan, nanoGPT, HF, ...) into records"),
     "sql": ("trainmon.consumers.clickhouse.cli:sql_main", "clickhouse", "run SQL on the trainmon tables"),
     "report": ("trainmon.report:main", "report", "write the HTML report of a run (the newest by default)"),
+    "goodput": ("trainmon.goodput:main", "clickhouse",
+                "where a job's wall time went (training, start-up, saves, restarts, hangs, ...)"),
     "replay": ("trainmon.consumers.clickhouse.cli:replay_main", "clickhouse",
                "rebuild the ClickHouse tables from the topics, from offset 0"),
     "clickhouse": ("trainmon.consumers.clickhouse.cli:clickhouse_main", "clickhouse",

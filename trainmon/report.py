@@ -19,6 +19,7 @@ from pathlib import Path
 from .consumers.clickhouse.cli import query
 from .consumers.clickhouse.client import Target
 from .filenames import safe_name
+from .goodput import html_section
 
 
 def sql_string(value: str) -> str:
@@ -208,7 +209,7 @@ def write_report(target: Target, run_id: str, path: Path) -> Path:
 <title>trainmon report {html.escape(run_id)}</title>
 <style>body{{font-family:sans-serif;max-width:1000px;margin:auto}} td,th{{padding:2px 8px;
 border-bottom:1px solid #ddd;font-size:13px;text-align:left}} img{{max-width:100%}}</style></head>
-<body><h1>trainmon report: {html.escape(run_id)}</h1>
+<body><h1>trainmon report: {html.escape(run_id)}</h1>{html_section(target, run_id)}
 <h2>Alerts that fired</h2><table><tr><th>rule</th><th>severity</th><th>step</th><th>ranks</th>
 <th>message</th></tr>{alert_rows}</table>{body}</body></html>
 """)

@@ -279,6 +279,19 @@ RUN_OVERVIEW = {
                    series(mean("sol"), "step_stats", time="last_time", alias="SOL %")),
         table("Run", f"SELECT * FROM run_overview WHERE {RUN}",
               units={"wall_seconds": "s", "tokens": "short"}),
+        table("Goodput of the run's job, per day",
+              "SELECT day, round(100 * goodput, 1) AS `goodput %`, productive_s AS training, "
+              "startup_s AS `start-up`, checkpoint_s AS `checkpoint saves`, restart_s AS restarts, "
+              "hang_s AS `hangs and stalls`, eval_s AS evaluation, lost_s AS `lost progress`, "
+              "wall_s AS wall\n"
+              f"FROM goodput_daily\nWHERE job_id IN (SELECT job_id FROM job_runs WHERE {RUN})\n"
+              "ORDER BY day DESC",
+              width=24, height=6,
+              units={c: "s" for c in ("training", "start-up", "checkpoint saves", "restarts",
+                                      "hangs and stalls", "evaluation", "lost progress", "wall")},
+              description="Every run of this run's job (TRAINMON_JOB_ID, the Slurm job id, ...) "
+                          "across restarts: where each UTC day's wall time went. Definitions: "
+                          "docs/goodput.md."),
     ],
 }
 

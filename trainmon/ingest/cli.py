@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--format", default="auto", choices=["auto", *FORMATS, *ALIASES], metavar="NAME",
                    help=f"the log format: auto (the default: detected), {', '.join(FORMATS)}")
     p.add_argument("--run-id", help="default: $TRAINMON_RUN_ID, else the file name")
+    p.add_argument("--job-id", help="the job this log's runs belong to (every restart of one "
+                                    "training job): default $TRAINMON_JOB_ID, else the run id")
     p.add_argument("--host", help="host name in the records (default: this machine's)")
     p.add_argument("--world-size", type=int, help="default: as the log prints it")
     p.add_argument("--idle", type=float, default=0.1, metavar="SECONDS",
@@ -111,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         from ..producer import Producer, ProducerConfig
         producer = Producer(ProducerConfig.from_env(run_id=run_id, yield_to_caller=False, linger_ms=20))
         sink = _Paced(producer)
-    session = Session(run_id, sink, fmt=args.format, host=args.host, world_size=args.world_size)
+    session = Session(run_id, sink, fmt=args.format, host=args.host, world_size=args.world_size,
+                      job_id=args.job_id or os.environ.get("TRAINMON_JOB_ID"))
 
     stop = threading.Event()
 

@@ -23,6 +23,8 @@ _HOST_PREFIX = re.compile(
     r"^([A-Za-z][\w]*(?:[-.]\w+)*-\w*\d[\w.-]*|[a-z]+\d+|localhost|\d{1,3}(?:\.\d{1,3}){3}): ")
 _TIMESTAMP = re.compile(
     r"^\s*(?:\[titan\]\s*)?\[?(\d{4})-(\d\d)-(\d\d)[ T](\d\d):(\d\d):(\d\d)(?:[.,](\d{1,6}))?\]?\s?")
+# Megatron's print_datetime: "[after megatron is initialized] datetime: 2026-04-10 16:34:09".
+_MEGATRON_DATETIME = re.compile(r"^\[[^\]]+\] datetime: (\d{4})-(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)()")
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]")
 
 
@@ -60,6 +62,10 @@ def split_line(raw: str) -> Line:
             when = _timestamp(m)
             if when is not None:
                 text = text[m.end():]
+    if when is None and text[:1] == "[" and "] datetime: " in text:
+        m = _MEGATRON_DATETIME.match(text)
+        if m is not None:
+            when = _timestamp(m)  # the text stays whole: it is a line of its own
     return Line(text, rank, when, host)
 
 

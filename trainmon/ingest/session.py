@@ -17,6 +17,7 @@ from typing import Callable
 from pydantic import ValidationError
 
 from ..schemas import RECORD_TYPES, Record
+from .dating import StepClock
 from .failures import Ending, FailureWatcher
 from .formats import FORMATS, FormatParser, by_name
 from .ids import Occurrences, event_id
@@ -36,8 +37,12 @@ class FormatNotDetected(ValueError):
 class Session:
     def __init__(self, run_id: str, sink: Callable[[Record], None], *, fmt: str = "auto",
                  host: str | None = None, world_size: int | None = None,
-                 clock: Callable[[], datetime] = lambda: datetime.now(UTC)):
+                 clock: Callable[[], datetime] = lambda: datetime.now(UTC),
+                 job_id: str | None = None):
         self.run_id = run_id
+        # Every run this log holds (a job restarted into the same log) is one job: the
+        # session's, unless told (trainmon ingest --job-id, TRAINMON_JOB_ID).
+        self.job_id = job_id or run_id
         self._sink = sink
         self._host = host or socket.gethostname()
         self._line_host: str | None = None
@@ -55,6 +60,11 @@ class Session:
         # prints them), and the latest timestamp read: what a log event is dated with.
         self._last_step: int | None = None
         self._last_time: datetime | None = None
+        self._step_clock = StepClock()  # dates step lines printed without a timestamp
+        # The log's own clock: its latest timestamp or dated step. A record from a line
+        # without a time takes it (the ingest time only before the log showed one), so a
+        # backfill's run starts and ends, saves and evaluations stay on the run's timeline.
+        self._log_time: datetime | None = None
         self._held_events: list[Parsed] | None = None  # while no format has been found
         self.sent: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
@@ -135,6 +145,9 @@ class Session:
         self._emit_all(self.parser.feed(line))
         if line.time is not None:
             self._last_time = line.time
+            self._step_clock.saw_time(line.time)
+            if self._log_time is None or line.time > self._log_time:
+                self._log_time = line.time
         watcher = self._watchers.get(rank)
         if self.parser.claimed and (watcher is None or not watcher.in_traceback):
             return  # an iteration or timer line: neither a warning nor how a run ends
@@ -164,6 +177,11 @@ class Session:
             if p.kind == "log_event":  # read back from trainmon's own JSON log
                 self._send_event(p)
                 continue
+            if p.kind == "step":
+                if p.time is None:
+                    p.time = self._step_clock.date(p.fields.get("step"), p.fields.get("duration_ms"))
+                if p.time is not None and (self._log_time is None or p.time > self._log_time):
+                    self._log_time = p.time
             # A checkpoint saved after the run ended (the Trainer's final save_model follows
             # its summary) does not start it again.
             if rank not in self._running and p.kind != "checkpoint":
@@ -208,11 +226,13 @@ class Session:
         fields = p.fields
         if p.kind == "run" and fields.get("event") == "end" and not fields.get("reason"):
             fields = {k: v for k, v in fields.items() if k != "reason"}
+        if p.kind == "run" and fields.get("event") == "start" and not fields.get("job_id"):
+            fields = {**fields, "job_id": self.job_id}
         n = self._occurrences.next(p.kind, rank, key)
         try:
             record = RECORD_TYPES[p.kind](
                 run_id=self.run_id, rank=rank, world_size=max(world, self._max_rank + 1),
-                host=p.host or self._line_host or self._host, time=p.time or self._clock(),
+                host=p.host or self._line_host or self._host, time=p.time or self._log_time or self._clock(),
                 event_id=event_id(self.run_id, p.kind, rank, key, n), **fields)
         except ValidationError as exc:
             if not self.rejected[p.kind]:

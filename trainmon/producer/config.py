@@ -39,6 +39,16 @@ def default_run_id(env) -> str:
     return f"run-{uuid.uuid4().hex[:12]}"
 
 
+def default_job_id(env) -> str | None:
+    """The job every run of one training job shares across restarts: TRAINMON_JOB_ID, else
+    Slurm's job id (kept by a requeued job), else torchrun's rendezvous id (kept across its
+    restarts). None: the run is a job of its own."""
+    for var in ("TRAINMON_JOB_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"):
+        if env.get(var) and env.get(var) != "none":
+            return env[var]
+    return None
+
+
 # ProducerConfig.compression: chosen by default_compression from how the producer sends.
 AUTO_COMPRESSION = "auto"
 
@@ -64,6 +74,7 @@ def default_compression(linger_ms: int = 0) -> str | None:
 class ProducerConfig:
     bootstrap: str = kafka_settings.DEFAULT_BOOTSTRAP
     run_id: str = ""
+    job_id: str | None = None  # carried by the run start record
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -108,6 +119,7 @@ class ProducerConfig:
         cfg = cls(
             bootstrap=kafka_settings.bootstrap_servers(env),
             run_id=default_run_id(env),
+            job_id=default_job_id(env),
             rank=int(env.get("RANK", 0)),
             world_size=int(env.get("WORLD_SIZE", 1)),
             local_rank=int(env.get("LOCAL_RANK", 0)),

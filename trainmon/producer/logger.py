@@ -297,6 +297,8 @@ class Producer:
     @_never_raises("run")
     def run_start(self, config: dict | None = None, **fields: Any) -> bool:
         self._run_open = True
+        if self.config.job_id and "job_id" not in fields:
+            fields["job_id"] = self.config.job_id
         return self._emit(RunRecord, dict(event="start", config=config or {}, **fields))
 
     @_never_raises("run")

@@ -203,7 +203,7 @@ class GpuModelRecord(Record):
 
 class RunRecord(Record):
     kind = "run"
-    low_cardinality = frozenset({"name", "project"})
+    low_cardinality = frozenset({"name", "project", "job_id"})
 
     event: Literal["start", "end"]
     status: Optional[Literal["running", "success", "failed", "aborted"]] = None
@@ -215,6 +215,11 @@ class RunRecord(Record):
     # Why the run ended, on an end record: "CUDA out of memory", "NCCL watchdog timeout",
     # the last line of a Python traceback. None when not given.
     reason: Optional[str] = None
+    # The training job this run is one attempt of: every run of one job across restarts
+    # shares it (TRAINMON_JOB_ID, else the Slurm job id, else the torchrun rendezvous id;
+    # a log read by trainmon ingest: its session). None: the run is a job of its own.
+    # The goodput views group runs by it (docs/goodput.md).
+    job_id: Optional[str] = Field(default=None, min_length=1, max_length=256)
 
     @model_validator(mode="after")
     def _default_status(self) -> "RunRecord":

@@ -9,6 +9,8 @@ The statements only; :mod:`.schema_setup` runs them.
 
 from __future__ import annotations
 
+from .goodput import VIEWS as GOODPUT_VIEWS
+
 # Megatron's "minmax" timers: per step, each timer's min and max over the ranks, and
 # which rank was slowest (the straggler). Step times not logged (NULL) or NaN are left
 # out of the timing columns (aggregates skip NULL), so one rank's broken timer does not
@@ -201,4 +203,5 @@ VIEWS = {
                                .replace("{step_times}", "SELECT run_id, last_time FROM {db}.step_stats"),
     "checkpoint_saves": CHECKPOINT_SAVES,
     "log_event_totals": LOG_EVENT_TOTALS,
+    **GOODPUT_VIEWS,  # goodput.py: a job's wall time, split
 }
