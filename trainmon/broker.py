@@ -262,6 +262,9 @@ class Broker:
             # topics created on first use, the same as those trainmon creates itself.
             **broker_defaults(topic_config()),
             "log.retention.check.interval.ms": str(self.retention_check_ms),
+            # The first check waits this long after the start (Kafka: 30 s, an internal
+            # setting), no longer than the interval.
+            "log.initial.task.delay.ms": str(min(30_000, self.retention_check_ms)),
         }
         if self.voters:
             props["controller.quorum.voters"] = ",".join(

@@ -77,8 +77,9 @@ def delete_group(group: str, *, env: dict | None = None, bootstrap: str | None =
 
     from confluent_kafka import KafkaException
 
+    admin = _admin(env, bootstrap)  # held until answered: a client collected first never answers
     try:
-        _admin(env, bootstrap).delete_consumer_groups([group], request_timeout=timeout_s)[group].result(timeout_s)
+        admin.delete_consumer_groups([group], request_timeout=timeout_s)[group].result(timeout_s)
     except (KafkaException, FutureTimeout) as exc:
         raise KafkaError(f"delete group {group}: {exc!r}") from exc
 

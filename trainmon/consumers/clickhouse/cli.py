@@ -91,12 +91,23 @@ def replay_main(argv: list[str] | None = None) -> int:
         prog="trainmon replay",
         description="Rebuild the tables from the topics, from the beginning, into a fresh "
                     "chDB directory (--path) or database (--database); stops when it has "
-                    "read everything the topics held at its start.")
+                    "read everything the topics held at its start. Where retention has removed "
+                    "their oldest records it says from when it can rebuild, and does so only "
+                    "with --retained.")
     add_target_arguments(parser)
     add_batch_arguments(parser)
+    parser.add_argument("--retained", action="store_true",
+                        help="rebuild what the topics still hold when retention has trimmed them "
+                             "(runs older than the window come back partial or not at all)")
     args = parser.parse_args(argv)
     configure_logging()
     target = target_from(args)
+    window = _retained_window(args.topic_prefix)
+    if not window.complete and not args.retained:
+        print(f"trainmon replay: {window.describe()}: a replay would rebuild only the records since "
+              f"{window.since()}, not the history ClickHouse may hold. Run again with --retained to "
+              "rebuild that window", file=sys.stderr)
+        return 2
     try:
         client = connect(target)
     except EngineBusy as exc:
@@ -123,8 +134,16 @@ def replay_main(argv: list[str] | None = None) -> int:
     finally:
         client.close()
     print(f"replayed {sink.rows_inserted} rows into {target.describe()} "
-          f"({loading.stream.dead_letters} dead letters)")
+          f"({loading.stream.dead_letters} dead letters); {window.describe()}")
     return 0
+
+
+def _retained_window(topic_prefix: str | None):
+    """How far back the record topics reach (docs/deploy.md, "Retention and compression")."""
+    from ...topics import topic_for
+    from ..retained_window import retained_window
+
+    return retained_window([topic_for(kind, topic_prefix) for kind in RECORD_TYPES])
 
 
 def _delete_group(group: str) -> None:
