@@ -19,6 +19,10 @@ from .frozen import FrozenValueRule
 
 class NonFinite(RuleConfig):
     severity: Severity = "critical"
+    # A NaN after the values were finite again is a new event (the second says the first
+    # was no fluke): no cooldown. A run that stays NaN keeps one incident open; the run's
+    # rate limit bounds one that flips every step.
+    cooldown_s: float = Field(0.0, ge=0)
 
 
 class NonFiniteRule(Rule, name="non_finite", config=NonFinite):
@@ -28,7 +32,9 @@ class NonFiniteRule(Rule, name="non_finite", config=NonFinite):
     checked_on = ("nanogpt-shakespeare-char-nan-loss.log (`loss nan` from iter 425), "
                   "megatron-core-bridge-dsv4-fp8mx-gradnorm-nan-wrapped.log (`grad norm: nan`), "
                   "megatron-transformer-xl-fp16-loss-scale-collapse.log (`lm loss NAN` at 700), "
-                  "hf-trainer-modernbert-nan-gradnorm-zero-loss.log")
+                  "hf-trainer-modernbert-nan-gradnorm-zero-loss.log, "
+                  "hf-trainer-time-moe-finetune-intermittent-gradnorm-nan.log (NaN grad norms at "
+                  "dicts 1 and 4: two incidents)")
 
     def observe(self, r, t, run, rank):
         # An absent grad norm (not logged) is not a non-finite one: only the loss is judged.
