@@ -10,7 +10,7 @@ not wait for the broker to be ready: the JVM running is what must not outlive it
 
 from __future__ import annotations
 
-import os
+import json
 import signal
 import subprocess
 import sys
@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.waiting import wait_until
+from trainmon import stack
 from trainmon.broker import pid_alive
 
 REPO = Path(__file__).resolve().parents[1]
@@ -59,12 +60,12 @@ def _broker_jvms(data_dir: Path) -> list[int]:
 
 
 WATCHING_SLEEP = """
-    import subprocess, sys
+    import subprocess, sys, time
     from trainmon.process_lifetime import watch
     sleeper = subprocess.Popen(["sleep", "300"], start_new_session=True)
     watch([sleeper.pid], grace_s=1.0, remove=sys.argv[1] if len(sys.argv) > 1 else None)
     print(sleeper.pid, flush=True)
-    subprocess.run(["sleep", "300"])
+    time.sleep(300)
 """
 
 
@@ -98,30 +99,25 @@ def test_the_watchdog_leaves_by_itself_when_the_watched_process_ends_first():
     assert watchdog.wait(5) == 0  # gone, and it had nothing to stop
 
 
-def test_a_service_started_by_the_supervisor_stops_when_the_supervisor_is_killed():
-    """The supervisor's way of starting a service (a parent-death signal, SIGTERM), in a
-    parent killed with -9."""
-    owner, (service,) = _owner("""
-        import signal, subprocess
-        from trainmon.process_lifetime import end_with_parent
-        service = subprocess.Popen(["sleep", "300"], preexec_fn=end_with_parent(signal.SIGTERM))
-        print(service.pid, flush=True)
-        service.wait()
-    """)
-    assert not _gone(service)
-    owner.kill()
-    owner.wait(5)
-    wait_until(lambda: _gone(service), 5, f"service {service} stopped after its supervisor was killed")
-
-
-def test_the_supervisor_starts_its_services_with_the_parent_death_signal():
-    """What the test above shows is what stack.Supervisor uses (a guard against the call
-    site losing it)."""
-    import inspect
-
-    from trainmon import stack
-
-    assert "preexec_fn=end_with_parent(signal.SIGTERM)" in inspect.getsource(stack.Supervisor._watch)
+def test_no_service_outlives_a_supervisor_killed_with_minus_9(tmp_path):
+    """The real supervisor loop, running a stand-in service (sleep) instead of the
+    consumers; its status file names the service's pid."""
+    (tmp_path / "services.json").write_text(json.dumps({"with": [], "ui": None, "env": {}}))
+    supervisor = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import sys
+        from pathlib import Path
+        from trainmon import stack
+        stack.services = lambda *_: [stack.Service("stand-in", ["sleep", "300"])]
+        stack.Supervisor(Path(sys.argv[1]), "127.0.0.1:9").run()
+    """), str(tmp_path)], cwd=REPO)
+    try:
+        service = wait_until(lambda: (stack.read_status(tmp_path) or {}).get("services", {}).get(
+            "stand-in", {}).get("pid"), 10, "the supervisor's service started")
+        assert not _gone(service)
+    finally:
+        supervisor.kill()
+        supervisor.wait(5)
+    wait_until(lambda: _gone(service), 5, f"service {service} stopped after its supervisor was killed -9")
 
 
 OWNING_A_BROKER = """

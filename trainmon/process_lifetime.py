@@ -54,10 +54,13 @@ def end_with_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
     return arm
 
 
-def watch(pids: Iterable[int], *, grace_s: float = 5.0, remove: Path | str | None = None) -> subprocess.Popen:
+def watch(pids: Iterable[int], *, grace_s: float = 5.0, remove: Path | str | None = None) -> subprocess.Popen | None:
     """Start a watchdog that stops ``pids`` (in this order) once this process is gone,
     each given ``grace_s`` after SIGTERM before SIGKILL, and removes ``remove`` after.
-    The returned process exits by itself once every watched process has exited."""
+    The returned process exits by itself once every watched process has exited. None
+    where there are no pidfds (not Linux 5.3+): nothing is watched there."""
+    if not hasattr(os, "pidfd_open"):
+        return None
     command = [sys.executable, "-I", "-S", os.path.abspath(__file__), str(os.getpid()), str(grace_s),
                str(remove or ""), *map(str, pids)]
     return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
