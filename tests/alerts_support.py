@@ -19,7 +19,8 @@ from typing import Callable
 from trainmon.consumers.alerts.config import load_config
 from trainmon.consumers.alerts.service import AlertService
 from trainmon.schemas import (CheckpointRecord, DiskRecord, EvalRecord, GpuHealthRecord, GpuRecord,
-                              LogEventRecord, MoeRecord, Record, RunRecord, StepRecord)
+                              LogEventRecord, MoeRecord, ProducerHealthRecord, Record, RunRecord,
+                              StepRecord)
 
 from .waiting import wait_until
 
@@ -39,8 +40,9 @@ def synthetic_run(run_id: str, *, t0: float, ranks: int = 1, steps: int = 80, dt
     ``first_step`` / ``only_ranks`` produce a later part of a run, for some ranks.
     ``eval_every``: an eval record every that many steps, its loss the step's plus 0.1 (a
     mutation sets it with ``step["eval_loss"]``); ``end_status`` / ``end_reason``: how the
-    run ends. ``health_every``: a gpu_health and a disk record every that many steps (a
-    mutation changes them through ``gpu["health"]`` / ``gpu["disk"]``). ``checkpoint_every``:
+    run ends. ``health_every``: a gpu_health, a disk and a producer_health record every that
+    many steps (a mutation changes them through ``gpu["health"]`` / ``gpu["disk"]`` /
+    ``gpu["producer"]``). ``checkpoint_every``:
     a 40 GiB checkpoint saved in about 20 s every that many steps (``gpu["checkpoint"]``;
     None: no save). ``log_events``: the routine NCCL warning a healthy job prints now and
     then (steps 3 and 40); a mutation adds its own through ``gpu["log_events"]``."""
@@ -75,6 +77,8 @@ def synthetic_run(run_id: str, *, t0: float, ranks: int = 1, steps: int = 80, dt
                                  pcie_replays=0)
             gpu["disk"] = dict(step=s, path="/ckpt", free_bytes=800 << 30, total_bytes=1 << 40,
                                used_bytes=(1 << 40) - (800 << 30))
+            gpu["producer"] = dict(step=s, queued=0, in_flight=1, spilled=0, held_in_memory=0,
+                                   sent=10 * s, dropped=0, rejected=0, spill_errors=0, last_sent_age_s=0.4)
             gpu["checkpoint"] = dict(step=s, path=f"/ckpt/iter_{s:07d}", bytes=40 << 30,
                                      duration_ms=20_000.0 * (1 + 0.1 * rng.uniform(-1, 1)))
             routine = dict(level="warning", source="nccl", signature="NCCL WARN NET/IB : # : Got async event : port active",
@@ -84,11 +88,12 @@ def synthetic_run(run_id: str, *, t0: float, ranks: int = 1, steps: int = 80, dt
             if mutate is not None:
                 mutate(s, r, step, gpu, moe)
             eval_loss = step.pop("eval_loss")
-            health, disk = gpu.pop("health"), gpu.pop("disk")
+            health, disk, producer = gpu.pop("health"), gpu.pop("disk"), gpu.pop("producer")
             checkpoint, events = gpu.pop("checkpoint"), gpu.pop("log_events")
             if health_every and s % health_every == 0:
                 out.append(GpuHealthRecord(**env(r, t, "gpu_health", s), **health))
                 out.append(DiskRecord(**env(r, t, "disk", s), **disk))
+                out.append(ProducerHealthRecord(**env(r, t, "producer_health", s), **producer))
             out.append(StepRecord(**env(r, t, "step", s), **step))
             out.append(GpuRecord(**env(r, t, "gpu", s), **gpu))
             out.append(MoeRecord(**env(r, t, "moe", s), **moe))

@@ -30,6 +30,10 @@ CASES = {
     "remapped_rows_failed": (dict(health={"remapped_rows_failed": True}), S),
     "xid_critical": (dict(health={"xids": [79]}), S),
     "checkpoint_disk_low": (dict(disk={"free_bytes": 20 << 30}), S),
+    "producer_dropped_records": (dict(producer={"dropped": 120}), S),
+    "producer_spill_refused": (dict(producer={"held_in_memory": 3000, "spill_errors": 1,
+                                              "spill_error": "OSError: [Errno 28] No space left on device"}), S),
+    "producer_not_sending": (dict(producer={"last_sent_age_s": 420.0, "spilled": 5000}), S),
 }
 
 
@@ -45,6 +49,7 @@ def changes_from(first: int, changes: dict):
             moe.update(changes.get("moe", {}))
             gpu["health"].update(changes.get("health", {}))
             gpu["disk"].update(changes.get("disk", {}))
+            gpu["producer"].update(changes.get("producer", {}))
     return mutate
 
 

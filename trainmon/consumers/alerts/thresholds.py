@@ -150,6 +150,26 @@ THRESHOLD_RULES: tuple[ThresholdSpec, ...] = (
         catches="less than `min_free_bytes` left where checkpoints are written "
                 "(TRAINMON_CHECKPOINT_DIR): the next save fails",
         checked_on="tests/test_alerts_thresholds.py (disk records come from the producer)"),
+    ThresholdSpec(
+        "producer_dropped_records", "producer_health", "dropped", ">", 0.0,
+        "records the producer dropped", param=None, severity="critical", cooldown_s=3600.0,
+        catches="a rank's producer lost records: Kafka did not take them, the spill directory "
+                "could not and memory was at its bound; the run's tables miss them for good",
+        checked_on="tests/test_alerts_thresholds.py (producer_health records, docs/metrics.md)"),
+    ThresholdSpec(
+        "producer_spill_refused", "producer_health", "held_in_memory", ">", 0.0,
+        "records waiting in memory", param=None, cooldown_s=3600.0,
+        catches="the spill directory refuses records (full, read-only): those Kafka has not "
+                "taken wait in memory, and a rank killed now loses them",
+        checked_on="tests/test_alerts_thresholds.py (producer_health records, docs/metrics.md)"),
+    ThresholdSpec(
+        "producer_not_sending", "producer_health", "last_sent_age_s", ">", 300.0,
+        "seconds since records last left for Kafka", param="max_age_s", cooldown_s=3600.0,
+        bounds=(("gt", 0),),
+        catches="a rank's producer handed nothing to Kafka for `max_age_s` (its own health "
+                "records go every minute): Kafka unreachable from the node; records wait in the "
+                "spill file and this alert arrives with them, once the broker is back",
+        checked_on="tests/test_alerts_thresholds.py (producer_health records, docs/metrics.md)"),
 )
 BY_NAME = {spec.name: spec for spec in THRESHOLD_RULES}
 
