@@ -26,8 +26,9 @@ JOB = "train-7b"
 
 
 def job_records(run_ids: tuple[str, str, str] = ("train-7b-a", "train-7b-b", "train-7b-c"),
-                job_id: str | None = JOB) -> list[Record]:
-    """The job's records; ``run_ids`` may repeat one id (a requeued Slurm job keeps it)."""
+                job_id: str | None = JOB, ranks: int = 1) -> list[Record]:
+    """The job's records; ``run_ids`` may repeat one id (a requeued Slurm job keeps it).
+    ``ranks``: every record logged by that many ranks at the same instant."""
     ids = count()
     out: list[Record] = []
 
@@ -68,4 +69,5 @@ def job_records(run_ids: tuple[str, str, str] = ("train-7b-a", "train-7b-b", "tr
     steps(2, 17, [1130, 1140, 1150, 1160])
     out.append(CheckpointRecord(**env(2, 1168), step=20, duration_ms=8_000.0, path="/ckpt/20"))
     out.append(RunRecord(**env(2, 1170), event="end", status="success"))
-    return out
+    return [r.model_copy(update={"rank": rank, "world_size": ranks, "event_id": f"{r.event_id}-{rank}"})
+            if rank else r for rank in range(ranks) for r in out]

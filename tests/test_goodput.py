@@ -153,7 +153,8 @@ def loaded(tmp_path_factory) -> dict:
     views' answers, and what ``trainmon goodput`` and ``trainmon report`` made of it."""
     tmp = tmp_path_factory.mktemp("goodput")
     db = str(tmp / "chdb")
-    records = job_records() + job_records((REQUEUED,) * 3, job_id=None) + relaunch_records()
+    records = (job_records() + job_records((REQUEUED,) * 3, job_id=None) + relaunch_records()
+               + job_records(("8-ranks-a", "8-ranks-b", "8-ranks-c"), job_id="8-ranks", ranks=8))
     wire = [[r.kind, encode(r).decode()] for r in records]
     proc = subprocess.run([sys.executable, "-c", LOAD, db, json.dumps(QUERIES)], input=json.dumps(wire),
                           capture_output=True, text=True, cwd=REPO, timeout=300)
@@ -182,8 +183,14 @@ def test_the_view_reproduces_the_hand_computed_breakdown_to_the_second(loaded):
 def test_a_requeued_job_under_one_run_id_is_split_into_the_same_runs(loaded):
     jobs = {r["run_id"]: r["job_id"] for r in loaded["jobs"]}
     assert jobs == {"train-7b-a": JOB, "train-7b-b": JOB, "train-7b-c": JOB, REQUEUED: REQUEUED,
-                    **{Path(name).stem: RELAUNCH for name in RELAUNCH_LOGS}}
+                    **{Path(name).stem: RELAUNCH for name in RELAUNCH_LOGS},
+                    **{f"8-ranks-{x}": "8-ranks" for x in "abc"}}
     row = {r["job_id"]: r for r in loaded["goodput"]}[REQUEUED]
+    assert seconds(row) == HAND and row["runs"] == 3
+
+
+def test_every_rank_logging_the_job_changes_nothing(loaded):
+    row = {r["job_id"]: r for r in loaded["goodput"]}["8-ranks"]  # 8 ranks, 8 run starts per run
     assert seconds(row) == HAND and row["runs"] == 3
 
 
@@ -284,3 +291,26 @@ def test_an_ingested_log_is_one_job_the_session_s_unless_told():
         assert [(r.event, r.job_id) for r in runs] == [("start", expected), ("end", None), ("start", expected)]
         # the traceback has no timestamp: the run ends at the log's latest one, not when read
         assert runs[1].time.isoformat() == "2026-04-10T17:04:41+00:00"
+
+
+# -- dating a log's undated step lines (pure) ----------------------------------------------------
+
+def test_undated_steps_follow_the_log_s_clock_and_a_restart_starts_again_from_it():
+    from datetime import datetime, timezone
+
+    from trainmon.ingest.dating import StepClock
+
+    t0 = datetime(2026, 4, 10, 16, 34, 22, tzinfo=timezone.utc)
+    clock = StepClock()
+    assert clock.date(1, 1000.0) is None  # no timestamp read yet
+    clock.saw_time(t0)
+    assert clock.date(1, 1000.0) == t0 + timedelta(seconds=1)
+    assert clock.date(11, 500.0) == t0 + timedelta(seconds=6)  # 10 iterations of 0.5 s
+    assert clock.date(12, None) is None and clock.date(12, float("nan")) is None
+    # a later timestamp does not move the running sequence: the step read after it may have
+    # been printed before it (a parser holds a step for its timer lines)
+    clock.saw_time(t0 + timedelta(seconds=60))
+    assert clock.date(12, 1000.0) == t0 + timedelta(seconds=7)
+    # the step number goes back: a restart in the same log, dated from the latest timestamp
+    clock.saw_time(t0 + timedelta(seconds=600))
+    assert clock.date(6, 2000.0) == t0 + timedelta(seconds=602)
