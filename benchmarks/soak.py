@@ -271,8 +271,10 @@ class Sampler:
             try:
                 proc = psutil.Process(pid)
                 with proc.oneshot():
+                    cpu = proc.cpu_times()
                     values = {"rss_mib": proc.memory_info().rss / 2**20,
-                              "fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": proc.num_threads()}
+                              "fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": proc.num_threads(),
+                              "cpu_s": cpu.user + cpu.system}
                 started = proc.create_time()
             except (psutil.Error, OSError):
                 continue  # it exited meanwhile (a kill, a restart)
@@ -283,6 +285,17 @@ class Sampler:
         """The newest sample of each process, one line."""
         return ", ".join(f"{name} {values['rss_mib']:.0f} MiB/{values['fds']} fds/{values['threads']} threads"
                          for name, rows in self.samples.items() for _, _, values in rows[-1:])
+
+    def cpu_share(self, name: str) -> float:
+        """Cores the process kept busy while sampled, over all its lives."""
+        busy = span = 0.0
+        lives: dict[int, list] = {}
+        for pid, t, values in self.samples.get(name, []):
+            lives.setdefault(pid, []).append((t, values["cpu_s"]))
+        for points in lives.values():
+            busy += points[-1][1] - points[0][1]
+            span += points[-1][0] - points[0][0]
+        return busy / span if span else math.nan
 
     def settled(self, name: str, metric: str) -> list[tuple[int, float, float]]:
         return [(pid, t, values[metric]) for pid, t, values in self.samples.get(name, [])
@@ -485,7 +498,10 @@ def main() -> int:
                 next_sample += SAMPLE_EVERY_S
             if now >= next_progress:
                 next_progress += PROGRESS_EVERY_S
-                print(f"  [{time.strftime('%H:%M:%S')}] {(now - began) / 60:.0f} min: {sampler.latest()}", flush=True)
+                lags = ", ".join(f"{name} {lag.of(s['group'])}" for name, s in
+                                 read_status(stack).get("services", {}).items() if s.get("group"))
+                print(f"  [{time.strftime('%H:%M:%S')}] {(now - began) / 60:.0f} min: {sampler.latest()}; "
+                      f"lag (messages): {lags}; load average {os.getloadavg()[0]:.1f}")
             if now >= next_kill:
                 next_kill += args.kill_every
                 if following is not None:
@@ -559,6 +575,8 @@ def main() -> int:
                       f"{'flat' if flat else 'GROWS' if fit.slope_per_h > 0 else 'falls'}")
         if unfitted:
             print(f"  too few settled samples for a slope: {', '.join(unfitted)}")
+        print("CPU, cores kept busy (of this machine's " + f"{os.cpu_count()}, shared with whatever else runs): "
+              + ", ".join(f"{name} {sampler.cpu_share(name):.2f}" for name in sampler.samples))
 
         print("targets:")
         verdict(bool(checks) and all(c.exactly_once and c.logged for c in checks),
