@@ -82,6 +82,9 @@ job_rows AS (
         UNION ALL
         SELECT run_id, rank, time, 'step', toNullable(step), CAST(NULL, 'Nullable(Float64)'), ''
         FROM {db}.step FINAL
+        -- the lowest rank that logs steps stands for the run (its ranks step together):
+        -- the table's key, so 1/world_size of the rows are read
+        WHERE (run_id, rank) IN (SELECT run_id, min(rank) FROM {db}.rank_latest GROUP BY run_id)
         UNION ALL
         SELECT run_id, rank, time, concat('checkpoint_', event), toNullable(step), duration_ms, ''
         FROM {db}.checkpoint FINAL
