@@ -1,6 +1,6 @@
 """A small, representative run for the dashboard tests: two ranks, 30 steps, evals, MoE,
 GPU, GPU-health, allocator and GPU-model records, checkpoints and the disk they go to,
-warnings from the logs, and alerts (one resolved, two still open). And a bigger run
+producer health, warnings from the logs, and alerts (one resolved, two still open). And a bigger run
 (BIG_RANKS ranks, more than the dashboards draw one line each for) with rank 7 slow."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from datetime import datetime, timedelta, timezone
 
 from trainmon.schemas import (AlertRecord, AllocatorRecord, CheckpointRecord, DatasetRecord,
                               DiskRecord, EvalRecord, GpuHealthRecord, GpuModelRecord, GpuRecord,
-                              LogEventRecord, MoeRecord, Record, RunRecord, StepRecord)
+                              LogEventRecord, MoeRecord, ProducerHealthRecord, Record, RunRecord,
+                              StepRecord)
 
 RUN_ID = "dash-run"
 BIG_RUN_ID = "dash-big"
@@ -75,6 +76,11 @@ def records() -> list[Record]:
                     pcie_replays=0))
                 out.append(DiskRecord(**env(rank, t), step=step, path="/ckpt", free_bytes=(500 - step) * 2**30,
                                       total_bytes=2**40, used_bytes=2**40 - (500 - step) * 2**30))
+                # Rank 1's producer could not reach Kafka around step 20: records spilled.
+                out.append(ProducerHealthRecord(
+                    **env(rank, t), step=step, queued=0, in_flight=1, spilled=300 if (rank, step) == (1, 20) else 0,
+                    held_in_memory=0, sent=100 * step, dropped=0, rejected=0, spill_errors=0,
+                    last_sent_age_s=95.0 if (rank, step) == (1, 20) else 0.5))
             if step in (7, 19):
                 out.append(LogEventRecord(
                     **env(rank, t), level="warning", source="nccl", count=1 if step == 7 else 4,

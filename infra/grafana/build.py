@@ -531,6 +531,25 @@ HEALTH_DASHBOARD = {
               "ORDER BY count DESC\nLIMIT 100",
               width=24, description="One row per message signature (numbers, addresses and paths "
                                     "masked), counted over ranks."),
+        table("Producer health (latest per rank)",
+              "SELECT rank, host, argMax(step, time) AS step, argMax(queued, time) AS queued,\n"
+              "       argMax(spilled, time) AS spilled, argMax(held_in_memory, time) AS in_memory,\n"
+              "       argMax(dropped, time) AS dropped, argMax(last_sent_age_s, time) AS last_sent_age_s,\n"
+              "       argMax(spill_error, time) AS spill_error, max(time) AS reported\n"
+              "FROM producer_health FINAL\n"
+              f"WHERE {RUN} AND {RANKS}\n"
+              "GROUP BY rank, host\n"
+              "ORDER BY dropped DESC, spilled + in_memory DESC, rank",
+              units={"last_sent_age_s": "s"},
+              description="Each rank's producer, from its producer_health records (every minute): "
+                          "records waiting for Kafka, lost, and how long since it last sent "
+                          "(rules producer_dropped_records, producer_spill_refused, "
+                          "producer_not_sending; docs/metrics.md)."),
+        timeseries("Records waiting for Kafka",
+                   series("max(spilled + held_in_memory)", "producer_health",
+                          label="concat('rank ', toString(rank))", where=RANKS, alias="waiting"),
+                   description="Records in the producers' spill files or memory: 0 while Kafka "
+                               "takes everything; a rise is an outage, told once the records arrive."),
     ],
 }
 
