@@ -132,7 +132,7 @@ class AlertEngine:
             run.set_ended(rs, False)
             run.pending_ends.discard(rs.rank)
             out = self._restarted(record, t, "started again")
-            for rule in self._by_kind.get("run_start", ()):  # rules that read the run's config
+            for rule in self._by_kind.get("run", ()):  # starts too: a rule may read the config
                 _add(out, rule.observe(record, t, run, rs))
             return out
         # Other topics may still hold this rank's last records: the end takes effect on

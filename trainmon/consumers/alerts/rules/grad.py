@@ -209,7 +209,7 @@ class GradNormBeyondClipRule(Rule, name="grad_norm_beyond_clip", config=GradNorm
     record: evidence that needs no history of the run's own (grad_spike's), so it also
     judges the first records a follow or a restarted engine sees."""
 
-    kinds = ("step", "run_start")
+    kinds = ("step", "run")  # run: a start's config names the threshold
     rank_state = NormsSeen
     run_state = Clip
     fires_when = ("grad norm >= {early_factor} x the run's clipping threshold while the rank has "
@@ -231,6 +231,8 @@ class GradNormBeyondClipRule(Rule, name="grad_norm_beyond_clip", config=GradNorm
 
     def observe(self, r, t, run, rank):
         if r.kind == "run":
+            if r.event != "start":
+                return None
             named, clip = clip_of(r.config)
             if named:
                 st = run.slot(self)
