@@ -17,6 +17,7 @@ from trainmon.kafka_client.memory_consumer import committed_offsets
 from trainmon.kafka_client.memory_transport import MemoryBroker
 
 from .forward_helpers import CONFIG, STEPS, MemoryProducers, drain, log_run, make_memory_forwarder
+from .metrics_support import scrape
 
 PREFIX = "fwd."
 
@@ -73,8 +74,16 @@ def test_each_point_reaches_the_tracker_once_and_a_replay_sends_nothing(broker, 
     sent = log_run(producers, "mem-run")
     tracker = KeepingTracker()
     first = forwarder(broker, tracker, "fwd-1", tmp_path)
+    port = first.runtime.metrics.serve(0)
     drain(first, sent)
+    first.runtime.flush_and_commit()
+    samples = scrape(port)  # its endpoint: what it read and wrote, per kind
+    first.runtime.metrics.close()
     first.runtime.close()
+    read, written = (samples.by_label(f"trainmon_records_{what}_total", "kind") for what in ("read", "written"))
+    assert read == written and sum(read.values()) == sent and read["step"] == 2 * STEPS
+    assert samples.by_label("trainmon_records_dead_lettered_total", "kind") == {}
+    assert set(samples.by_label("trainmon_consumer_lag", "topic").values()) == {0}
 
     points = tracker.points()
     assert len(points) == len(set(points)), "a point was sent twice"
