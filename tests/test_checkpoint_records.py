@@ -300,13 +300,13 @@ def test_c10_warnings_at_exit_one_record_per_rank_and_no_run_start():
 
 
 def test_a_repeated_watchdog_error_is_counted_not_repeated():
-    # NeMo's Lightning bar, then "[E ProcessGroupNCCL.cpp:458] [Rank 0] Watchdog caught ..."
-    # five times (ranks 0 and 7 print without a rank prefix).
-    _, records = ingest(raw_lines("nemo-bionemo-ptl-progress-nccl-watchdog-timeout.log"))
-    found = events(records, source="nccl", level="error")
-    assert [e.count for e in found] == [1, 2, 4, 5]  # first, doubling, and the final count
-    assert len({e.signature for e in found}) == 1 and len({e.event_id for e in found}) == 4
-    assert found[-1].last_step == 32039
+    # Megatron-LM on 4 GPUs: "[E ProcessGroupNCCL.cpp:828] [Rank 3] Watchdog caught collective
+    # operation timeout: WorkNCCL(SeqNum=33, ...)", then the same on rank 0 three times.
+    _, records = ingest(raw_lines("megatron-lm-4gpu-second-iteration-nccl-watchdog-timeout.log"))
+    found = [e for e in events(records, source="nccl", level="error") if "Watchdog caught" in e.signature]
+    assert [e.count for e in found] == [1, 2, 4]  # first, doubling, and the final count
+    assert len({e.signature for e in found}) == 1 and len({e.event_id for e in found}) == 3
+    assert found[-1].last_step is None  # no iteration was logged before the hang
 
 
 def test_python_warnings():

@@ -115,11 +115,11 @@ def test_follow_rotate_kill_restart_exactly_once(bootstrap, topic_prefix, tmp_pa
 
 
 def test_a_crash_log_ends_its_run_failed_with_the_reason_in_run_summary(bootstrap, topic_prefix, tmp_path):
-    """A real Lightning/NeMo log whose last lines are NCCL watchdog timeouts (corpus)."""
+    """A real Megatron-LM log (4 GPUs) whose last lines are NCCL watchdog timeouts (corpus)."""
     from pathlib import Path
 
     service = ClickHouseService(bootstrap, topic_prefix, tmp_path / "ch", tmp_path / "service.log").start()
-    log = Path(__file__).parent / "data" / "logs" / "nemo-bionemo-ptl-progress-nccl-watchdog-timeout.log"
+    log = Path(__file__).parent / "data" / "logs" / "megatron-lm-4gpu-second-iteration-nccl-watchdog-timeout.log"
     env = trainmon_env(bootstrap, TRAINMON_TOPIC_PREFIX=topic_prefix, TRAINMON_SPILL_DIR=tmp_path / "spill")
     for _ in range(2):  # a second backfill of the same log changes nothing
         done = subprocess.run([sys.executable, "-m", "trainmon", "ingest", str(log), "--run-id", "crashed"],
@@ -129,8 +129,8 @@ def test_a_crash_log_ends_its_run_failed_with_the_reason_in_run_summary(bootstra
     (summary,) = service.rows("SELECT status, reason, steps, last_step FROM trainmon.run_summary "
                               "WHERE run_id = 'crashed'")
     assert summary["reason"].startswith("NCCL watchdog timeout: Watchdog caught collective operation "
-                                        "timeout: WorkNCCL(SeqNum=96120, OpType=ALLREDUCE")
-    assert summary["steps"] == 1 and summary["last_step"] == 32039
+                                        "timeout: WorkNCCL(SeqNum=33, OpType=ALLREDUCE")
+    assert summary["steps"] == 0  # the job hung in its second iteration, before any was logged
     assert service.value("SELECT count() FROM trainmon.run FINAL WHERE run_id = 'crashed'") == \
         service.value("SELECT uniqExact(event_id) FROM trainmon.run WHERE run_id = 'crashed'")
     service.stop()

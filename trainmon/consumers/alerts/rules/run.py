@@ -42,7 +42,7 @@ class RunFailedRule(Rule, name="run_failed", config=RunFailed):
                "watchdog ended), Slurm time limits")
     checked_on = ("megatron-deepspeed-2node-dataset-missing-traceback-nccl-watchdog.log (rank 4's "
                   "FileNotFoundError, then rank 0's NCCL watchdog timeout after 600 s), "
-                  "nemo-bionemo-ptl-progress-nccl-watchdog-timeout.log")
+                  "megatron-lm-4gpu-second-iteration-nccl-watchdog-timeout.log")
 
     def observe(self, r, t, run, rank):
         if r.event != "end":
