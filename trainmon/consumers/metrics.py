@@ -41,8 +41,7 @@ class ServiceMetrics:
         self.service = service
         self.registry = CollectorRegistry()
         r = self.registry
-        # The process's memory, open files, threads (not given by prometheus-client), CPU:
-        # what a soak watches for leaks.
+        # The process's memory, open files and CPU: what a soak watches for leaks.
         ProcessCollector(registry=r)
         self.read = Counter("trainmon_records_read", "Records read from the record topics and handed "
                             "to the sink, per record kind", ["kind"], registry=r)
@@ -51,8 +50,8 @@ class ServiceMetrics:
         self.dead_lettered = Counter("trainmon_records_dead_lettered", "Records sent to the dead-letter "
                                      "topic (undecodable, or refused by the sink), per record kind",
                                      ["kind"], registry=r)
-        self.lag = Gauge("trainmon_consumer_lag", "Records in an assigned partition not read yet "
-                         "(its end as of the last fetch minus this consumer's position)",
+        self.lag = Gauge("trainmon_consumer_lag", "Kafka messages (offsets) in an assigned partition "
+                         "not read yet: its end as of the last fetch minus this consumer's position",
                          ["topic", "partition"], registry=r)
         self.flush_seconds = Histogram("trainmon_flush_seconds", "Time a sink's flush took (the "
                                        "ClickHouse loader hands batches to its inserts here)",
