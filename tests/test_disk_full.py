@@ -22,12 +22,14 @@ import threading
 from pathlib import Path
 
 import pytest
+from clickhouse_connect.driver.exceptions import DatabaseError
 
 from trainmon import topics
 from trainmon.broker import Broker
 from trainmon.consumers import serving
 from trainmon.consumers.clickhouse import create_all, loader
 from trainmon.consumers.clickhouse.client import Target, connect
+from trainmon.consumers.clickhouse.refusals import blames_rows, disk_full
 from trainmon.consumers.memory_stream import memory_streams
 from trainmon.consumers.runtime import RetryPolicy
 from trainmon.kafka_client import TopicPartition
@@ -217,6 +219,19 @@ def steps(first: int, n: int) -> bytes:
 
 def stored(client) -> int:
     return client.query("SELECT count() FROM trainmon.step").result_rows[0][0]
+
+
+def test_a_full_volume_is_told_apart_from_a_refused_row():
+    def server(code: int, text: str) -> DatabaseError:
+        return DatabaseError(f"Code: {code}. DB::Exception: {text}", code=code)
+
+    reserved = server(243, "Cannot reserve 1.00 MiB, not enough space. (NOT_ENOUGH_SPACE)")
+    written = server(75, "Cannot write to file /var/lib/clickhouse/store/x/data.bin, errno: 28, "
+                         "strerror: No space left on device. (CANNOT_WRITE_TO_FILE_DESCRIPTOR)")
+    for full in (reserved, written):
+        assert disk_full(full) and not blames_rows(full)  # retried, nothing dead-lettered
+    row = server(469, "Constraint `positive` for table trainmon.step is violated")
+    assert not disk_full(row) and blames_rows(row)
 
 
 def test_a_full_clickhouse_volume_holds_the_batch_uncommitted_and_loads_it_once_freed(small_disk, caplog):
