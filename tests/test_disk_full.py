@@ -235,7 +235,7 @@ def test_a_full_volume_is_told_apart_from_a_refused_row():
 
 
 def test_a_full_clickhouse_volume_holds_the_batch_uncommitted_and_loads_it_once_freed(small_disk, caplog):
-    disk = small_disk("48m")
+    disk = small_disk("16m")
     client = connect(Target(path=disk.path / "chdb"))
     create_all(client, "trainmon")
     broker = MemoryBroker()

@@ -1,6 +1,6 @@
 -- The DDL trainmon 3763773 (2026-11-23, a previous session's release) ran on a fresh database:
 -- every statement its create_all sent, recorded by running that commit's own code from a git
--- worktree against chDB. tests/test_upgrades.py creates a database with it and has today's
+-- worktree against chDB (scripts/record_release_ddl.py 3763773). tests/test_upgrades.py creates a database with it and has today's
 -- loader migrate and load it. Since then: step/eval fields became optional, Megatron's
 -- nan_iterations was added, and the gpu_health, checkpoint, disk and log_event kinds.
 
