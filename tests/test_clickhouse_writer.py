@@ -16,6 +16,7 @@ from trainmon.consumers.clickhouse import loader
 from trainmon.consumers.clickhouse.client import Target, connect
 from trainmon.consumers.clickhouse import create_all
 from trainmon.consumers.clickhouse.writer import BackgroundWriter
+from trainmon.consumers.metrics import ServiceMetrics
 from trainmon.consumers.stream import Message
 from trainmon.kafka_client import TopicPartition
 from trainmon.schemas import StepRecord, encode
@@ -102,7 +103,8 @@ def test_a_failed_background_insert_is_written_again_first_and_held_back_from_co
 
     monkeypatch.setattr(loader, "insert_json", connection_lost_once)
     sink = loader.ClickHouseSink(client, database="trainmon", max_rows=2, max_wait_s=0)
-    sink.start(SimpleNamespace(stopping=False, stream=SimpleNamespace(prefix="t.", dead_letters=0)))
+    sink.start(SimpleNamespace(stopping=False, stream=SimpleNamespace(prefix="t.", dead_letters=0),
+                               metrics=ServiceMetrics("test")))
     try:
         sink.put([message(0), message(1)])
         sink.flush()  # handed to the writer, which fails on it
