@@ -57,8 +57,10 @@ class LossScaleCollapseRule(Rule, name="loss_scale_collapse", config=LossScaleCo
                   "{escalate_factor}")
     catches = "dynamic loss scaling collapsing under repeated overflows"
     checked_on = ("megatron-transformer-xl-fp16-loss-scale-collapse.log (64 at 400 -> 8 at 500; 0.1 "
-                  "at 800 escalates); silent on the seven bf16 Megatron logs (the old rule fired on "
-                  "their first record)")
+                  "at 800 escalates), hf-trainer-deepspeed-fp16-overflow-loss-scale-collapse.log "
+                  "(DeepSpeed's overflow cascade: 8 at 380 against the 64 the skipped step 378 ran "
+                  "at; read from its middle, 2 at 382 against the 16 of 380); silent on the bf16 "
+                  "Megatron logs (the old rule fired on their first record)")
 
     def observe(self, r, t, run, rank):
         scale = r.loss_scale
