@@ -68,6 +68,37 @@ def test_megatron_first_line_without_any_loss_and_nothing_skipped_is_a_nan_loss(
     assert math.isnan(step.loss) and math.isnan(step.norm) and step.skipped == 0
 
 
+# epfLLM/Megatron-LLM#34 (Falcon-40B fine-tune, bf16, NaN losses from ~3300): iteration 3633
+# prints no loss with 0 skipped; after the PR's NaN check, 3634 skips its one iteration.
+MEGATRON_LLM_NAN = [
+    " iteration     3633/    8000 | consumed samples:       232512 | elapsed time per iteration (ms): 6956.6 | "
+    "learning rate: 6.245E-06 | global batch size:    64 | loss scale: 1.0 | grad norm: 0.794 | "
+    "number of skipped iterations:   0 | number of nan iterations:   0 |",
+    "***WARNING*** Bad grad_norm detected (grad_norm=nan)",
+    " iteration     3634/    8000 | consumed samples:       232576 | elapsed time per iteration (ms): 8295.0 | "
+    "learning rate: 6.245E-06 | global batch size:    64 | loss scale: 1.0 | number of skipped iterations:   1 |",
+]
+# deepspeedai/Megatron-DeepSpeed#434: "the only way we can judge this issue [a NaN] is no lm
+# loss print and the number of nan iterations is still 0".
+MEGATRON_DEEPSPEED_NAN = (
+    " iteration        9/      10 | consumed samples:          108 | consumed tokens:       442368 | "
+    "elapsed time per iteration (ms): 1979.2 | learning rate: 4.219E-07 | global batch size:    12 | "
+    "loss scale: 1.0 | actual seqlen:  4096 | number of skipped iterations:   0 | number of nan iterations:   0 | "
+    "samples per second: 6.063 | tokens per gpu per second (tgs): 2069.506 | TFLOPs: 127.00 |")
+
+
+def test_megatron_issue_lines_without_loss_are_nan_unless_skipped():
+    """The lines the issues report NaN losses with: a NaN loss where nothing was skipped,
+    none where the line's one iteration was."""
+    _, records = ingest(MEGATRON_LLM_NAN)
+    nan_line, skipped_line = of_kind(records, "step")
+    assert nan_line.step == 3633 and math.isnan(nan_line.loss) and nan_line.norm == 0.794
+    assert (skipped_line.step, skipped_line.skipped, skipped_line.loss) == (3634, 1, None)
+    _, records = ingest([MEGATRON_DEEPSPEED_NAN])
+    (step,) = of_kind(records, "step")
+    assert step.step == 9 and math.isnan(step.loss) and step.nan_iterations == 0
+
+
 # -- HF Trainer: logging_nan_inf_filter ------------------------------------------------------
 
 
