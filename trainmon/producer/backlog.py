@@ -17,6 +17,8 @@ is always read first.
 
 from __future__ import annotations
 
+import errno
+import os
 import threading
 import time
 from collections import deque
@@ -47,6 +49,7 @@ class Backlog:
         self._lock = threading.Lock()
         self._memory: deque[Entry] = deque()
         self.in_memory = 0  # records waiting in memory
+        self._memory_bytes = 0  # their message values' bytes
         self._peeked_from_memory = 0  # entries the last peek took from memory (0: from disk)
         self._disk_retry_at = 0.0  # monotonic time before which a failed disk is not tried
 
@@ -74,6 +77,7 @@ class Backlog:
                     continue
                 self._memory.append(entry)
                 self.in_memory += records
+                self._memory_bytes += len(entry[2])
             return Kept(False, dropped, error)
 
     def retry_disk(self) -> Kept | None:
@@ -86,15 +90,19 @@ class Backlog:
 
     def _to_disk(self, entries: list[Entry]) -> Kept:  # (holding the lock)
         """Into the file: memory's records not in flight first (they are older), then these."""
-        waiting = list(self._memory)[self._peeked_from_memory:]
+        waiting = list(self._memory)[self._peeked_from_memory:] if self._memory else []
         try:
+            if waiting and not self.spill.has_room(self._memory_bytes):
+                # Still full: say so without encoding all of memory (up to the bound) first.
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.spill.directory))
             self.spill.append(waiting + entries)
         except OSError as exc:
             self._disk_retry_at = time.monotonic() + DISK_RETRY_S
             return Kept(False, 0, exc)
         moved = sum(count(entry[2]) for entry in waiting)
-        for _ in waiting:
+        for entry in waiting:
             self._memory.pop()
+            self._memory_bytes -= len(entry[2])
         self.in_memory -= moved
         return Kept(True, 0, None, moved)
 
@@ -120,12 +128,14 @@ class Backlog:
             return
         with self._lock:
             for _ in range(self._peeked_from_memory):
-                self.in_memory -= count(self._memory.popleft()[2])
+                value = self._memory.popleft()[2]
+                self.in_memory -= count(value)
+                self._memory_bytes -= len(value)
             self._peeked_from_memory = 0
 
     def discard_memory(self) -> int:
         """At exit: the records only memory held, which are lost now; their count."""
         with self._lock:
-            lost, self.in_memory = self.in_memory, 0
+            lost, self.in_memory, self._memory_bytes = self.in_memory, 0, 0
             self._memory.clear()
             return lost

@@ -79,6 +79,8 @@ class SpillFile:
         """At the end of the file; raises OSError (nothing written) where it cannot be."""
         if not entries:
             return
+        with self._lock:
+            self._open()  # an unusable directory fails here, before anything is encoded
         data = _dump(entries).encode()
         with self._lock:
             fd = self._open()
@@ -89,6 +91,15 @@ class SpillFile:
                 os.ftruncate(fd, start)
                 raise
             self.count += sum(count(value) for _, _, value in entries)
+
+    def has_room(self, nbytes: int) -> bool:
+        """Whether the directory's filesystem has about ``nbytes`` free (True where it
+        cannot tell: the append will)."""
+        try:
+            stat = os.statvfs(self.directory)
+        except OSError:
+            return True
+        return stat.f_bavail * stat.f_frsize >= nbytes
 
     def read(self, max_bytes: int) -> list[Entry]:
         """The oldest entries, about max_bytes of them (at least one), left in the file
