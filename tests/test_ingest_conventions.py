@@ -181,3 +181,17 @@ def test_torchtitan_loss_minus_one_is_no_loss():
     _, records = ingest(PP_FIRST_STAGE)
     steps = of_kind(records, "step")
     assert [(s.step, s.loss, s.tflops_per_gpu) for s in steps] == [(1, None, 0.9), (2, None, 1.81)]
+
+
+def test_torchtitan_negative_validation_loss_is_no_eval():
+    """validate.py sums -1.0 per step on such a rank, then divides by the tokens: a small
+    negative loss, which a cross-entropy never is. A real validation line still reads."""
+    from trainmon.ingest.formats.torchtitan import TorchTitanParser
+    from trainmon.ingest.lines import split_line
+
+    def evals(text):
+        return [p for p in TorchTitanParser().feed(split_line(text)) if p.kind == "eval"]
+
+    assert evals("[titan] 2025-06-01 10:00:00,000 - root - INFO - validate step: 20  loss: -0.0001  memory: 1.00GiB(1.00%)  tps: 100") == []
+    (real,) = evals("[titan] 2025-06-01 10:00:00,000 - root - INFO - validate step: 20  loss:  9.3507  memory: 69.81GiB(88.17%)  tps: 74,600")
+    assert real.fields["loss"] == 9.3507

@@ -5,9 +5,9 @@ lines.py, the colour codes too; what is left starts ``- root - INFO - ``)::
     validate step: 20  loss:  9.3507  memory: 69.81GiB(88.17%)  tps: 74,600
     Training completed
 
-Older releases print ``wps`` for ``tps`` and no grad norm or tflops. ``loss: -1.0000`` is
-the stand-in of a rank without the pipeline's last stage (no loss there: the record has
-none); ``mfu: N/A`` a device whose peak FLOPS torchtitan does not know (no value). ``tps`` is tokens
+Older releases print ``wps`` for ``tps`` and no grad norm or tflops. ``loss: -1.0000`` (a
+validation line: any negative loss) is the stand-in of a rank without the pipeline's last
+stage (no loss there: the record has none, a validation line makes no eval record); ``mfu: N/A`` a device whose peak FLOPS torchtitan does not know (no value). ``tps`` is tokens
 per second per device; ``memory`` the peak reserved by the caching allocator since the
 last line (sent as an allocator record, in bytes).
 
@@ -49,8 +49,14 @@ _SAVED = re.compile(r"\bFinished saving the checkpoint\b.*?\bin\s*([\d.]+)\s*sec
 #         if self.pp_has_last_stage
 #         else torch.tensor([-1.0], device=self.device)
 #     )
-# ("loss: -1.0000" on such a rank's metrics line): no loss was measured there.
-_NO_LAST_STAGE = -1.0
+# ("loss: -1.0000" on such a rank's metrics line), and validate.py sums the same -1.0 per
+# validation step before dividing by the token count (a small negative "loss"). A
+# cross-entropy is never negative: a negative loss is that stand-in, no loss measured.
+
+
+def _measured(loss: float | None) -> float | None:
+    return None if loss is None or loss < 0 else loss
+
 
 # metrics-line field -> StepRecord field
 _STEP_FIELDS = {"grad_norm": "norm", "tps": "tokens_per_second", "wps": "tokens_per_second",
@@ -99,7 +105,7 @@ class TorchTitanParser(FormatParser):
         if loss is None or self._repeated("step", step, line):
             return []
         fields: dict[str, Any] = {"step": step}
-        if loss != _NO_LAST_STAGE:
+        if _measured(loss) is not None:
             fields["loss"] = loss
         out = []
         for name, value in _FIELD.findall(m.group(3)):
@@ -134,7 +140,7 @@ class TorchTitanParser(FormatParser):
                            duration_ms=None if seconds is None else seconds * 1000.0)]
 
     def _validation(self, m: re.Match, line: Line) -> list[Parsed]:
-        step, loss = int(m.group(1)), try_number(m.group(2))
+        step, loss = int(m.group(1)), _measured(try_number(m.group(2)))
         if loss is None or self._repeated("eval", step, line):
             return []
         fields: dict[str, Any] = {"step": step, "loss": loss}
