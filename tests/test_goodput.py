@@ -63,12 +63,15 @@ HAND_DAYS = {
                                            "wall_s": 1170 - 367},
 }
 
+# One child process (chDB hosts one data directory per process): load, query the views, then
+# run `trainmon goodput` and `trainmon report` as the command line would, in-process.
 LOAD = r"""
-import json, sys
+import contextlib, io, json, sys
+from trainmon.cli import main
 from trainmon.consumers.clickhouse import Target, connect, create_all, insert_records
 from trainmon.schemas import decode
 
-path, queries = sys.argv[1], json.loads(sys.argv[2])
+path, queries, commands = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 client = connect(Target(path=path))
 create_all(client)
 insert_records(client, [decode(kind, line.encode()) for kind, line in json.load(sys.stdin)])
@@ -77,6 +80,11 @@ for name, sql in queries.items():
     result = client.query(sql)
     out[name] = [dict(zip(result.column_names, row)) for row in result.result_rows]
 client.close()
+for name, argv in commands.items():
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(argv + ["--path", path])
+    out[name] = {"returncode": code, "stdout": stdout.getvalue(), "stderr": stderr.getvalue()}
 print(json.dumps(out, default=str))
 """
 QUERIES = {
@@ -142,11 +150,6 @@ def relaunch_by_hand() -> dict:
     }
 
 
-def trainmon(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "trainmon", *args], capture_output=True, text=True,
-                          cwd=REPO, timeout=180)
-
-
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory) -> dict:
     """The job twice (three run ids with a job id; one run id, requeued) in chDB: the
@@ -156,14 +159,16 @@ def loaded(tmp_path_factory) -> dict:
     records = (job_records() + job_records((REQUEUED,) * 3, job_id=None) + relaunch_records()
                + job_records(("8-ranks-a", "8-ranks-b", "8-ranks-c"), job_id="8-ranks", ranks=8))
     wire = [[r.kind, encode(r).decode()] for r in records]
-    proc = subprocess.run([sys.executable, "-c", LOAD, db, json.dumps(QUERIES)], input=json.dumps(wire),
-                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    commands = {"cli": ["goodput", "train-7b-b", "--daily"],  # a run id names its job
+                "report": ["report", "train-7b-c", "-o", str(tmp / "report.html")],
+                "missing": ["goodput", "no-such-job"]}
+    proc = subprocess.run([sys.executable, "-c", LOAD, db, json.dumps(QUERIES), json.dumps(commands)],
+                          input=json.dumps(wire), capture_output=True, text=True, cwd=REPO, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.splitlines()[-1])
-    out["cli"] = trainmon("goodput", "train-7b-b", "--daily", "--path", db)  # a run id names its job
-    out["report"] = trainmon("report", "train-7b-c", "--path", db, "-o", str(tmp / "report.html"))
+    for name in commands:
+        out[name] = subprocess.CompletedProcess(commands[name], **out[name])
     out["report_html"] = (tmp / "report.html").read_text() if out["report"].returncode == 0 else ""
-    out["missing"] = trainmon("goodput", "no-such-job", "--path", db)
     return out
 
 
