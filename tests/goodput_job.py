@@ -71,3 +71,43 @@ def job_records(run_ids: tuple[str, str, str] = ("train-7b-a", "train-7b-b", "tr
     out.append(RunRecord(**env(2, 1170), event="end", status="success"))
     return [r.model_copy(update={"rank": rank, "world_size": ranks, "event_id": f"{r.event_id}-{rank}"})
             if rank else r for rank in range(ranks) for r in out]
+
+
+EDGE_JOB = "edge-cases"
+
+
+def edge_job_records() -> list[Record]:
+    """What the three-run job leaves out (tests/test_goodput.py works it out): an evaluation
+    and a save logged without any duration, a run killed without a run end, a run that died
+    in its start-up without logging a step, and a resume past a checkpoint.
+
+    Run 1 starts at T0, logs steps 1-3 at +30, +40, +50, an evaluation (no duration) at +65,
+    step 4 at +75, a save of step 4 (no duration, no "started") at +90, steps 5 and 6 at +100
+    and +110, and is killed (no run end). Run 2 starts at +200 and fails at +230 without a
+    step. Run 3 starts at +300, resumes from the step-4 checkpoint (its first step is 5 at
+    +350), logs steps 6 and 7 and ends well at +370."""
+    ids = count()
+    out: list[Record] = []
+
+    def env(run: int, second: float) -> dict:
+        return dict(run_id=f"edge-{run}", rank=0, world_size=1, host="node-0",
+                    time=T0 + timedelta(seconds=second), event_id=f"edge-{next(ids)}")
+
+    def step(run: int, number: int, second: float) -> None:
+        out.append(StepRecord(**env(run, second), step=number, loss=3.0))
+
+    out.append(RunRecord(**env(1, 0), event="start", job_id=EDGE_JOB))
+    for number, second in ((1, 30), (2, 40), (3, 50)):
+        step(1, number, second)
+    out.append(EvalRecord(**env(1, 65), step=3, loss=2.9))
+    step(1, 4, 75)
+    out.append(CheckpointRecord(**env(1, 90), step=4, path="/ckpt/4"))
+    step(1, 5, 100)
+    step(1, 6, 110)
+    out.append(RunRecord(**env(2, 200), event="start", job_id=EDGE_JOB))
+    out.append(RunRecord(**env(2, 230), event="end", status="failed", reason="NCCL error: unhandled system error"))
+    out.append(RunRecord(**env(3, 300), event="start", job_id=EDGE_JOB))
+    for number, second in ((5, 350), (6, 360), (7, 370)):
+        step(3, number, second)
+    out.append(RunRecord(**env(3, 370), event="end", status="success"))
+    return out

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.goodput_job import JOB, T0, job_records
+from tests.goodput_job import EDGE_JOB, JOB, T0, edge_job_records, job_records
 from trainmon.consumers.clickhouse.goodput import CATEGORIES
 from trainmon.kafka_client.memory_transport import MemoryBroker
 from trainmon.producer import Producer, ProducerConfig
@@ -157,7 +157,8 @@ def loaded(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("goodput")
     db = str(tmp / "chdb")
     records = (job_records() + job_records((REQUEUED,) * 3, job_id=None) + relaunch_records()
-               + job_records(("8-ranks-a", "8-ranks-b", "8-ranks-c"), job_id="8-ranks", ranks=8))
+               + job_records(("8-ranks-a", "8-ranks-b", "8-ranks-c"), job_id="8-ranks", ranks=8)
+               + edge_job_records())
     wire = [[r.kind, encode(r).decode()] for r in records]
     commands = {"cli": ["goodput", "train-7b-b", "--daily"],  # a run id names its job
                 "report": ["report", "train-7b-c", "-o", str(tmp / "report.html")],
@@ -189,7 +190,8 @@ def test_a_requeued_job_under_one_run_id_is_split_into_the_same_runs(loaded):
     jobs = {r["run_id"]: r["job_id"] for r in loaded["jobs"]}
     assert jobs == {"train-7b-a": JOB, "train-7b-b": JOB, "train-7b-c": JOB, REQUEUED: REQUEUED,
                     **{Path(name).stem: RELAUNCH for name in RELAUNCH_LOGS},
-                    **{f"8-ranks-{x}": "8-ranks" for x in "abc"}}
+                    **{f"8-ranks-{x}": "8-ranks" for x in "abc"},
+                    **{f"edge-{n}": EDGE_JOB for n in (1, 2, 3)}}
     row = {r["job_id"]: r for r in loaded["goodput"]}[REQUEUED]
     assert seconds(row) == HAND and row["runs"] == 3
 
@@ -197,6 +199,21 @@ def test_a_requeued_job_under_one_run_id_is_split_into_the_same_runs(loaded):
 def test_every_rank_logging_the_job_changes_nothing(loaded):
     row = {r["job_id"]: r for r in loaded["goodput"]}["8-ranks"]  # 8 ranks, 8 run starts per run
     assert seconds(row) == HAND and row["runs"] == 3
+
+
+def test_durations_not_logged_a_kill_without_an_end_and_a_run_dead_in_start_up(loaded):
+    """tests/goodput_job.py's edge_job_records, by hand. Run 1 steps every 10 s (its median):
+    start-up 0 -> 30; 1 -> 2 -> 3: 20 s; 3 -> 4 (50 -> 75) holds the evaluation logged
+    without a duration: the 15 s beyond one step's 10; 4 -> 5 (75 -> 100) the save logged
+    without one: 15 s, and 10 s of training; 5 -> 6: 10 s. Killed without a run end, it
+    ends at its last record (step 6, +110). Run 2 logs no step: from run 1's end to its own
+    (110 -> 230) is a restart gap; so is 230 -> 350, to run 3's first step. Run 3 starts at
+    step 5 and the newest checkpoint below it is step 4's: run 1's training of steps 5 and 6
+    (10 + 10 s) is lost. Run 3: 5 -> 6 -> 7, 20 s; it ends at its last step."""
+    row = {r["job_id"]: r for r in loaded["goodput"]}[EDGE_JOB]
+    assert seconds(row) == {"productive_s": 30 + 20, "startup_s": 30, "checkpoint_s": 15,
+                            "restart_s": 120 + 120, "hang_s": 0, "eval_s": 15, "lost_s": 20, "wall_s": 370}
+    assert row["runs"] == 3
 
 
 def test_each_day_gets_the_pieces_that_end_on_it(loaded):

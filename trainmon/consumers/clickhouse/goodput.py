@@ -4,7 +4,7 @@ Definitions, with what was chosen where a log cannot tell: docs/goodput.md.
 
 A *job* is every run of one training job across restarts: the run records' ``job_id``
 (a run without one is a job of its own). An *attempt* is one run of the job: the k-th
-run start of each rank begins the job's k-th attempt, whatever its run id (a requeued
+run start of any rank begins the job's k-th attempt, whatever its run id (a requeued
 Slurm job and a torchrun restart keep theirs, a fresh process makes a new one). The
 job's time, from its first record to its last, is cut into pieces:
 
