@@ -53,8 +53,8 @@ def html_section(target: Target, run_id: str) -> str:
                     f"<td>{part}</td></tr>" for label, seconds, part in table_lines(row))
     return (f"<h2>Goodput of job {html.escape(job_id)}: "
             f"{share(float(row['productive_s']), float(row['wall_s']))}</h2>"
-            f"<p>{row['runs']} run(s) of the job, {html.escape(str(row['started_at']))} to "
-            f"{html.escape(str(row['ended_at']))} UTC; the definitions: docs/goodput.md.</p>"
+            f"<p>{row['runs']} run(s) of the job, {html.escape(moment(row['started_at']))} to "
+            f"{html.escape(moment(row['ended_at']))} UTC; the definitions: docs/goodput.md.</p>"
             f"<table class='goodput'><tr><th>time</th><th>seconds</th><th>h:mm:ss</th><th>share</th></tr>"
             f"{cells}</table>")
 
@@ -77,6 +77,11 @@ def daily(target: Target, job_id: str) -> list[dict]:
                          "ORDER BY day")
 
 
+def moment(value: object) -> str:
+    """'2026-03-01 23:50:00.000000' -> '2026-03-01 23:50:00' (to the second)."""
+    return str(value)[:19]
+
+
 def clock(seconds: float) -> str:
     """1234.5 -> '0:20:34' (h:mm:ss, rounded to the second)."""
     whole = int(round(seconds))
@@ -96,7 +101,8 @@ def table_lines(row: dict) -> list[tuple[str, float, str]]:
 
 
 def format_breakdown(row: dict) -> str:
-    lines = [f"job {row['job_id']}: {row['runs']} run(s), {row['started_at']} -> {row['ended_at']} UTC"]
+    lines = [f"job {row['job_id']}: {row['runs']} run(s), {moment(row['started_at'])} -> "
+             f"{moment(row['ended_at'])} UTC"]
     width = max(len(label) for label, _, _ in table_lines(row))
     lines.append(f"{'':{width}}  {'seconds':>12}  {'h:mm:ss':>10}  {'share':>7}")
     for label, seconds, part in table_lines(row):
