@@ -615,7 +615,7 @@ def build_parser(action: str) -> argparse.ArgumentParser:
         parser.add_argument("--with", dest="extra", default="",
                             help=f"consumers to run too, comma-separated ({', '.join(ON_REQUEST)})")
         parser.add_argument("--ui", choices=UIS, help="a UI for live plots (TensorBoard on 6006, Aim on 43800)")
-        parser.add_argument("--metrics-port", type=int, default=int(os.environ.get("TRAINMON_METRICS_PORT") or 0),
+        parser.add_argument("--metrics-port", type=int, default=os.environ.get("TRAINMON_METRICS_PORT") or "0",
                             metavar="PORT", help="Prometheus metrics: the supervisor on PORT, each consumer "
                                                  "on the next ones (default: $TRAINMON_METRICS_PORT, else 0: "
                                                  "free ports; trainmon status shows them; docs/metrics.md)")

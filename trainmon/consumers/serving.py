@@ -85,8 +85,10 @@ def serve(sink: Sink, *, exit_when_idle_s: float | None = None,
 def add_metrics_arguments(parser: argparse.ArgumentParser) -> None:
     """``--metrics-port`` and ``--metrics-listen``, the same for every consumer;
     ``metrics_options(args)`` gives them to :func:`serve`."""
-    port = os.environ.get("TRAINMON_METRICS_PORT")
-    parser.add_argument("--metrics-port", type=int, default=int(port) if port else None, metavar="PORT",
+    # (A default given as a string goes through ``type``: a bad $TRAINMON_METRICS_PORT is
+    # argparse's usage error naming the option, not a traceback.)
+    parser.add_argument("--metrics-port", type=int, default=os.environ.get("TRAINMON_METRICS_PORT") or None,
+                        metavar="PORT",
                         help="serve Prometheus metrics at http://ADDR:PORT/metrics (0: a free port, "
                              "logged; default: $TRAINMON_METRICS_PORT, else none; docs/metrics.md)")
     parser.add_argument("--metrics-listen", default=os.environ.get("TRAINMON_METRICS_LISTEN", DEFAULT_LISTEN),
