@@ -195,3 +195,54 @@ def test_torchtitan_negative_validation_loss_is_no_eval():
     assert evals("[titan] 2025-06-01 10:00:00,000 - root - INFO - validate step: 20  loss: -0.0001  memory: 1.00GiB(1.00%)  tps: 100") == []
     (real,) = evals("[titan] 2025-06-01 10:00:00,000 - root - INFO - validate step: 20  loss:  9.3507  memory: 69.81GiB(88.17%)  tps: 74,600")
     assert real.fields["loss"] == 9.3507
+
+
+# -- HF Trainer: tqdm bars and dicts ----------------------------------------------------------
+
+# 2U1/Qwen-VL-Series-Finetune#10: the bar, the dict (tqdm.write), the bar's redraw, the next
+# update, the next dict.
+QWEN_VL = [
+    "  0%|          | 1/666 [00:22<4:08:53, 22.46s/it]",
+    "                                                 ",
+    "{'loss': 1.0446, 'grad_norm': nan, 'learning_rate': 1.4925373134328357e-08, 'epoch': 0.0}",
+    "",
+    "  0%|          | 1/666 [00:24<4:08:53, 22.46s/it]",
+    "  0%|          | 2/666 [00:40<3:41:45, 20.04s/it]",
+    "                                                 ",
+    "{'loss': 0.0, 'grad_norm': nan, 'learning_rate': 2.9850746268656714e-08, 'epoch': 0.01}",
+]
+
+
+def test_hf_trainer_dict_before_the_bar_caught_up_is_the_next_logging_step():
+    """As printed: steps 1 and 2, the second loss NaN (0.0 beside grad_norm nan). Without
+    the update line of step 2 (tqdm draws at most every mininterval; a terminal copy keeps
+    what was on screen), the last bar before the second dict is step 1's redraw: the
+    Trainer logs a step once, so that dict is the next logging step, not step 1 again."""
+    _, records = ingest(QWEN_VL, fmt="hf-trainer")
+    steps = of_kind(records, "step")
+    assert [s.step for s in steps] == [1, 2] and steps[0].loss == 1.0446 and math.isnan(steps[1].loss)
+    lagging = [line for line in QWEN_VL if "2/666" not in line]
+    _, records = ingest(lagging, fmt="hf-trainer")
+    assert [s.step for s in of_kind(records, "step")] == [1, 2]
+
+
+# hiyouga/LlamaFactory#6286: LLaMA-Factory's rounded copy of each dict through its logger,
+# then the Trainer's own.
+LLAMAFACTORY_COPIES = [
+    "[INFO|2024-12-08 01:09:59] llamafactory.train.callbacks:157 >> {'loss': 0.0000, 'learning_rate': 4.9985e-05, 'epoch': 0.03}",
+    "{'loss': 0.0, 'grad_norm': nan, 'learning_rate': 4.998452110450943e-05, 'epoch': 0.03}",
+    "  1%|█▍        | 75/6249 [08:38<11:33:05,  6.74s/it][INFO|2024-12-08 01:10:34] llamafactory.train.callbacks:157 >> {'loss': 0.0000, 'learning_rate': 4.9982e-05, 'epoch': 0.04}",
+    "{'loss': 0.0, 'grad_norm': nan, 'learning_rate': 4.998223113110496e-05, 'epoch': 0.04}",
+    "  1%|█▌        | 80/6249 [09:17<13:46:10,  8.04s/it][INFO|2024-12-08 01:11:13] llamafactory.train.callbacks:157 >> {'loss': 0.0000, 'learning_rate': 4.9980e-05, 'epoch': 0.04}",
+    "{'loss': 0.0, 'grad_norm': nan, 'learning_rate': 4.9979783305842495e-05, 'epoch': 0.04}",
+]
+
+
+def test_llamafactory_copy_of_the_dict_is_skipped():
+    """One step record per logging step, from the Trainer's dict (its NaN grad norm makes
+    the 0.0 a NaN loss), none from the copy (rounded, without grad_norm: it would be a
+    zero loss)."""
+    _, records = ingest(LLAMAFACTORY_COPIES, fmt="hf-trainer")
+    steps = of_kind(records, "step")
+    assert len(steps) == 3 and [s.step for s in steps[1:]] == [75, 80]
+    assert all(math.isnan(s.loss) and math.isnan(s.norm) for s in steps)

@@ -75,6 +75,11 @@ _SAVING = re.compile(r"\bSaving model checkpoint to (\S+)")
 # The step is skipped either way. Releases before 2021 said "[deepscale]".
 _OVERFLOW = re.compile(r"\[deep(?:speed|scale)\] OVERFLOW! Rank \d+ Skipping step\. "
                        r"Attempted loss scale: ([\d.e+-]+), (?:reducing to ([\d.e+-]+)|but hysteresis is)")
+# LLaMA-Factory's LogCallback logs a rounded copy of the Trainer's dict through its logger
+# ("[INFO|2024-12-08 01:09:59] llamafactory.train.callbacks:157 >> {'loss': 0.0000, ...}"):
+#     logger.info_rank0("{" + log_str + "}")   # log_str = f"'loss': {logs['loss']:.4f}, ..."
+# The Trainer prints its own, unrounded and with grad_norm, next to it: the copy is skipped.
+_LLAMAFACTORY_COPY = re.compile(r"\bllamafactory\.[\w.]+:\d+ >> $")
 _MAX_GRAD_NORM = re.compile(r"\bmax_grad_norm=([\d.e+-]+|None)")  # TrainingArguments, as printed
 _MAX_WRAPPED_LINES = 8
 GIB = 1024 ** 3
@@ -117,6 +122,8 @@ class HfTrainerParser(FormatParser):
         text = line.text
         m = _DICT.search(text)
         self._read_bars(text[:m.start()] if m else text)
+        if m is not None and _LLAMAFACTORY_COPY.search(text, 0, m.start()):
+            return []  # a copy of the Trainer's own dict, which follows it
         if m is None:
             if "Saving model checkpoint" in text and (saving := _SAVING.search(text)):
                 return self._checkpoint(saving.group(1), line)
@@ -172,15 +179,18 @@ class HfTrainerParser(FormatParser):
         total = self._total if self._total in self._bars else max(self._bars)
         return self._bars[total]
 
-    def _counted_step(self) -> int:
+    def _every(self) -> int:
+        """Steps between two loss dicts: ``logging_steps`` when the log printed it, else 1."""
         every = self._logging_steps
         if every is not None and 0 < every < 1 and self._total:
             every = math.ceil(every * self._total)  # a ratio of the total steps
-        if not every or every < 1:
-            return self._logged
-        if self._first_step:
-            return 1 if self._logged == 1 else int((self._logged - 1) * every)
-        return int(self._logged * every)
+        return int(every) if every and every >= 1 else 1
+
+    def _counted_step(self) -> int:
+        every = self._every()
+        if self._first_step and every > 1:
+            return 1 if self._logged == 1 else (self._logged - 1) * every
+        return self._logged * every
 
     # -- records -------------------------------------------------------------------
 
@@ -194,6 +204,7 @@ class HfTrainerParser(FormatParser):
         eval_loss = next((k for k in raw if _EVAL_LOSS.search(k)), None)
         if "loss" not in values and eval_loss is None:
             return []
+        own = step is not None
         if step is None:
             step = self._bar_step()
         epoch = values.get("epoch")
@@ -201,6 +212,11 @@ class HfTrainerParser(FormatParser):
             self._logged += 1
             if step is None:
                 step = self._counted_step()
+            elif not own and (step == 0 or step == self._last_step):
+                # The Trainer logs a step once, and never step 0: the bar drawn last is
+                # behind, the dict came before the bar's redraw of its own step (tqdm.write
+                # redraws after the dict; a terminal copy may keep only that redraw).
+                step = self._counted_step() if self._last_step is None else self._last_step + self._every()
             self._last_step = step
             return self._step(step, values, epoch, line)
         if step is None:
