@@ -205,6 +205,8 @@ def test_records_polled_for_a_partition_since_taken_away_are_not_put():
     runner.stream.poll = poll_then_lose_the_partition
     runner.step()
     assert sink.buffered == [] and sink.flushed == [] and runner.records == 0
+    # Nor counted as read (the stream's count of its poll was; the runtime's is what it put).
+    assert runner.metrics.registry.get_sample_value("trainmon_records_read_total", {"kind": "step"}) is None
     runner.close()
 
 

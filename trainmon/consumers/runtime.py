@@ -236,10 +236,11 @@ class SinkRuntime:
         due = sink.flush_in_s()
         wait = sink.poll_s if due is None else min(sink.poll_s, due)
         messages = self.stream.poll(timeout_ms=int(wait * 1000), max_records=max(1, sink.room()))
+        read = self.stream.polled_by_kind
         owned = self._owned
         if messages and any((m.topic, m.partition) not in owned for m in messages):
             messages = [m for m in messages if (m.topic, m.partition) in owned]
-        read = per_kind(messages)
+            read = per_kind(messages)
         records = sum(read.values())
         if messages:
             self._call(sink.put, messages, what=f"{sink.name}: put")

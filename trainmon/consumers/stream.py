@@ -71,6 +71,7 @@ class RecordStream:
         self.kinds = list(kinds or RECORD_TYPES)
         self.dead_letters = 0
         self.dead_letters_by_kind: dict[str, int] = {}  # (for the runtime's metrics)
+        self.polled_by_kind: dict[str, int] = {}  # the last poll's records handed out, per kind (same)
         self._env = env
         self._dlq: Producer | None = None
         # Start from the most a message can pack: a first poll too small, never too big.
@@ -145,6 +146,7 @@ class RecordStream:
         messages: list[Message] = []
         append = messages.append
         records = 0
+        by_kind: dict[str, int] = {}  # counted per Kafka message, not per record
         for m in raw:
             topic, partition, offset, key, value = m.topic, m.partition, m.offset, m.key, m.value or b""
             kind = topics.kind_of(topic, self.prefix)
@@ -155,8 +157,13 @@ class RecordStream:
                     # the JSON as it came.
                     append(Message(kind, topic, partition, offset, key, value, None, 0, count))
                     records += count
+                    by_kind[kind] = by_kind.get(kind, 0) + count
                     continue
-            records += self._decode_into(messages, kind, topic, partition, offset, key, value)
+            decoded = self._decode_into(messages, kind, topic, partition, offset, key, value)
+            records += decoded
+            if decoded:
+                by_kind[kind] = by_kind.get(kind, 0) + decoded
+        self.polled_by_kind = by_kind
         if raw:
             self._records_per_message = max(1.0, records / len(raw))
         return messages
