@@ -10,6 +10,7 @@ carries the marks itself. ``pytest -m "not kafka"`` runs the rest: in memory
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from pathlib import Path
@@ -22,6 +23,11 @@ from trainmon.kafka_client import Consumer, Producer as RawProducer, TopicPartit
 from trainmon.producer import Producer, ProducerConfig
 from trainmon.schemas import decode, unpack
 
+
+# Every broker the tests start (the session's, a test's own, those of `trainmon up` and the
+# demo run as subprocesses) lives for seconds or minutes: C1 only and the serial collector
+# start it on about half the CPU of G1 and C2 (trainmon.broker.jvm_performance_options).
+os.environ.setdefault("KAFKA_JVM_PERFORMANCE_OPTS", "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC")
 
 # Fixtures that mean a real broker: the session's, or one a test starts for itself.
 SHARED_BROKER_FIXTURES = frozenset({"kafka_broker", "bootstrap"})

@@ -25,6 +25,7 @@ import ipaddress
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
@@ -142,6 +143,14 @@ def _java_version(path: str) -> str | None:
         return None
     found = re.search(r'version "(\d+)(?:\.(\d+))?', said)
     return found and f"{found.group(1)}.{found.group(2) or 0}"
+
+
+def jvm_performance_options() -> list[str]:
+    """The collector and compiler flags, from KAFKA_JVM_PERFORMANCE_OPTS as Kafka's own
+    kafka-run-class.sh reads them. The tests set C1 only and the serial collector there: a
+    broker that lives for seconds then starts on about half the CPU (C2 and G1's threads
+    compete with the test on a small machine); a long-lived broker keeps G1 and C2."""
+    return shlex.split(os.environ.get("KAFKA_JVM_PERFORMANCE_OPTS", "-XX:+UseG1GC"))
 
 
 def free_port() -> int:
@@ -319,7 +328,7 @@ class Broker:
 
     def _java(self, main: str, *args: str, **popen) -> list[str]:
         classpath = os.pathsep.join(str(p) for p in sorted(fetch().glob("*.jar")))
-        return [java()[0], f"-Xmx{self.heap}", f"-Xms{self.heap}", "-XX:+UseG1GC",
+        return [java()[0], f"-Xmx{self.heap}", f"-Xms{self.heap}", *jvm_performance_options(),
                 "-Djava.awt.headless=true", "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn",
                 "-cp", classpath, main, *args]
 
