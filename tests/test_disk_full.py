@@ -311,9 +311,9 @@ def test_a_full_broker_log_directory_stops_the_broker_and_a_restart_after_freein
                    pause=0.2, details=lambda: (data_dir / "broker.log").read_text()[-2000:])
         said_by_kafka = (data_dir / "broker.log").read_text()
         assert "No space left on device" in said_by_kafka and str(disk.path) in said_by_kafka
-        wait_until(lambda: producer.spilled + producer._worker.sent >= 200, timeout=30,
-                   what="the records kept while the broker is away")
-        assert producer.dropped == 0
+        # What Kafka did not acknowledge waits in the Kafka client or, past its delivery
+        # timeout, in the spill file: nothing is dropped.
+        assert producer.dropped == 0 and producer.held_in_memory == 0
 
         disk.free()
         broker = Broker(data_dir, heap="256m", partitions=1).start()  # same ports, same log dir
