@@ -2,39 +2,45 @@
 
 from __future__ import annotations
 
-import json
 from typing import Optional
 
 import pytest
 
+from trainmon.consumers.clickhouse import create_all
+from trainmon.consumers.clickhouse.client import Target, connect
 from trainmon.consumers.clickhouse.ddl import BOOKKEEPING, field_columns, table_fields
 from trainmon.schemas import RECORD_TYPES, StepRecord
 
-from .clickhouse_service import run_trainmon
 
 
-def sql(bootstrap, path, query: str) -> list[dict]:
-    done = run_trainmon(bootstrap, "sql", "--path", str(path), "-f", "jsonl", query)
-    assert done.returncode == 0, done.stderr
-    return [json.loads(line) for line in done.stdout.splitlines()]
+@pytest.fixture
+def chdb(tmp_path):
+    """chDB in this process, as the loader opens it (the CLI's `trainmon clickhouse init`
+    runs the same create_all: tests/test_clickhouse_exactly_once.py and others call it)."""
+    client = connect(Target(path=tmp_path / "chdb"))
+    yield client
+    client.close()
 
 
-def columns_by_table(bootstrap, path) -> dict[str, list[str]]:
-    rows = sql(bootstrap, path, "SELECT table, groupArray(name) AS names FROM (SELECT table, name "
-                                "FROM system.columns WHERE database = 'trainmon' ORDER BY position) "
-                                "GROUP BY table")
-    return {r["table"]: r["names"] for r in rows}
+def sql(client, query: str) -> list[dict]:
+    result = client.query(query)
+    return [dict(zip(result.column_names, row)) for row in result.result_rows]
+
+
+def columns_by_table(client) -> dict[str, list[str]]:
+    rows = sql(client, "SELECT table, groupArray(name) AS names FROM (SELECT table, name "
+                       "FROM system.columns WHERE database = 'trainmon' ORDER BY position) "
+                       "GROUP BY table")
+    return {r["table"]: list(r["names"]) for r in rows}
 
 
 def field_of(column: str) -> str:
     return column.split(".", 1)[0]  # Nested sub-columns: "stats.name" -> "stats"
 
 
-def test_tables_have_a_column_per_field_and_a_field_per_column(bootstrap, tmp_path):
-    path = tmp_path / "chdb"
-    done = run_trainmon(bootstrap, "clickhouse", "init", "--path", str(path))
-    assert done.returncode == 0, done.stderr
-    tables = columns_by_table(bootstrap, path)
+def test_tables_have_a_column_per_field_and_a_field_per_column(chdb):
+    create_all(chdb, "trainmon")
+    tables = columns_by_table(chdb)
     for kind, model in RECORD_TYPES.items():
         columns = [c for c in tables[kind] if c not in BOOKKEEPING]
         fields = list(model.model_fields)
@@ -51,24 +57,23 @@ def test_tables_have_a_column_per_field_and_a_field_per_column(bootstrap, tmp_pa
         | {f"{name}_mv" for name in rollups}
 
 
-def test_init_adds_the_columns_of_new_fields_to_existing_tables(bootstrap, tmp_path):
-    path = tmp_path / "chdb"
-    assert run_trainmon(bootstrap, "clickhouse", "init", "--path", str(path)).returncode == 0
+def test_init_adds_the_columns_of_new_fields_to_existing_tables(chdb):
+    create_all(chdb, "trainmon")
     # A table made by an older trainmon, before these fields and the rollups existed.
     for name in ("step_stats", "rank_latest", "rank_10s"):
-        sql(bootstrap, path, f"DROP VIEW trainmon.{name}_mv")
-        sql(bootstrap, path, f"DROP TABLE trainmon.{name}")
-    sql(bootstrap, path, "ALTER TABLE trainmon.step DROP COLUMN sol_percent, DROP COLUMN timers")
-    sql(bootstrap, path, "ALTER TABLE trainmon.allocator DROP COLUMN stats")
-    assert "sol_percent" not in columns_by_table(bootstrap, path)["step"]
-    assert run_trainmon(bootstrap, "clickhouse", "init", "--path", str(path)).returncode == 0
-    tables = columns_by_table(bootstrap, path)
+        chdb.command(f"DROP VIEW trainmon.{name}_mv")
+        chdb.command(f"DROP TABLE trainmon.{name}")
+    chdb.command("ALTER TABLE trainmon.step DROP COLUMN sol_percent, DROP COLUMN timers")
+    chdb.command("ALTER TABLE trainmon.allocator DROP COLUMN stats")
+    assert "sol_percent" not in columns_by_table(chdb)["step"]
+    create_all(chdb, "trainmon")  # as `trainmon clickhouse init` and every service start do
+    tables = columns_by_table(chdb)
     assert {"sol_percent", "timers"} <= set(tables["step"])
     assert {"stats.name", "stats.device"} <= set(tables["allocator"])
     assert "step_stats" in tables  # rollups created (and filled from the step rows)
     types = {r["name"]: r["type"] for r in sql(
-        bootstrap, path, "SELECT name, type FROM system.columns WHERE database = 'trainmon' "
-                         "AND table = 'step' AND name IN ('sol_percent', 'timers')")}
+        chdb, "SELECT name, type FROM system.columns WHERE database = 'trainmon' "
+              "AND table = 'step' AND name IN ('sol_percent', 'timers')")}
     assert types == {"sol_percent": "Nullable(Float64)", "timers": "Map(String, Float64)"}
 
 
