@@ -28,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -86,6 +87,39 @@ class ProcessCpu:
         now = self._psutil.Process().children(recursive=True)
         total += self._children_s([c for c in now if c not in self._children])
         return total - self._start
+
+
+def thread_activity() -> dict[int, tuple[str, int, int]]:
+    """This process's threads, tid -> (name, context switches, CPU ns), from /proc (Linux;
+    {} elsewhere). While a thread has nothing to do, each of its switches is a wake-up."""
+    names = {thread.native_id: thread.name for thread in threading.enumerate()}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    threads = {}
+    for tid in map(int, tids):
+        try:
+            with open(f"/proc/self/task/{tid}/status") as status, \
+                    open(f"/proc/self/task/{tid}/schedstat") as schedstat:
+                fields = dict(line.split(":", 1) for line in status if ":" in line)
+                cpu_ns = int(schedstat.read().split()[0])
+        except (OSError, ValueError, IndexError):  # (a thread that ended meanwhile)
+            continue
+        switches = int(fields["voluntary_ctxt_switches"]) + int(fields["nonvoluntary_ctxt_switches"])
+        threads[tid] = (names.get(tid) or fields["Name"].strip(), switches, cpu_ns)
+    return threads
+
+
+def wakeups(before: dict, after: dict, seconds: float) -> dict[str, list[float]]:
+    """Thread name -> [wake-ups per second, CPU µs per second], threads of one name summed."""
+    by_name: dict[str, list[float]] = {}
+    for tid, (name, switches, cpu_ns) in after.items():
+        _, switches_before, cpu_before = before.get(tid, (name, 0, 0))
+        rates = by_name.setdefault(name, [0.0, 0.0])
+        rates[0] += (switches - switches_before) / seconds
+        rates[1] += (cpu_ns - cpu_before) / 1e3 / seconds
+    return by_name
 
 
 def make_logger(library: str, bootstrap: str, tmp: str):
@@ -150,6 +184,8 @@ def run_case(library: str, case: str, seconds: float, bootstrap: str) -> dict:
         time.sleep(1.0)  # let start-up work (connections, the first delivery) settle
         clock = time.perf_counter_ns
         timings: list[float] = []
+        # (Around the CPU figure, not inside it; the main thread's own count is the loop's.)
+        threads_before = thread_activity()
         cpu, t0 = ProcessCpu(), time.monotonic()
         if case == "idle":
             time.sleep(seconds)
@@ -172,9 +208,11 @@ def run_case(library: str, case: str, seconds: float, bootstrap: str) -> dict:
                 timings.append((clock() - started) / 1000.0)
             time.sleep(max(0.0, t0 + (steps + 1) / rate - time.monotonic()))  # its last interval
         cpu, elapsed = cpu.used_s(), time.monotonic() - t0
+        threads = wakeups(threads_before, thread_activity(), elapsed)
+        threads.pop(threading.main_thread().name, None)
         close()
     timings.sort()
-    return {"cpu_s": cpu, "elapsed_s": elapsed, "steps": steps,
+    return {"cpu_s": cpu, "elapsed_s": elapsed, "steps": steps, "threads": threads,
             "mean_us": statistics.fmean(timings) if timings else None,
             "p99_us": percentile(timings, 99) if timings else None}
 
@@ -242,6 +280,13 @@ def report(results: dict, libraries: list[str], client: str, load_before: str, l
     for case in [*map(str, RATES), "tight"]:
         label = "tight (us/step)" if case == "tight" else f"{case}/s (us/step)"
         print(f"  {label:<16}" + "".join(f"{per_step_us(results[(n, case)]):>{width}.0f}" for n in libraries))
+    print("  what wakes when idle (the library's threads in this process; a child process, "
+          "wandb's service, not counted): wake-ups/s, CPU us/s")
+    for name in libraries:
+        threads = sorted(results[(name, "idle")].get("threads", {}).items(), key=lambda t: -t[1][0])
+        total = sum(rate for rate, _ in dict(threads).values())
+        print(f"    {name:<12} {total:5.1f}/s: " + ", ".join(
+            f"{thread} {rate:.2f}/s {cpu:.0f} us/s" for thread, (rate, cpu) in threads if rate >= 0.05))
     for case in [*map(str, RATES), "tight"]:
         label = "tight loop" if case == "tight" else f"{case} steps/s"
         print(f"  caller at {label}, mean / p99 us: " + "; ".join(
