@@ -1,0 +1,96 @@
+"""The producer-overhead benchmark's own arithmetic (benchmarks/producer_overhead.py): what
+wakes a process's threads, and the targets' verdicts against the cheapest peer and wandb.
+Pure, in memory: no broker, no tracker imported."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "producer_overhead.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("producer_overhead", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+po = _load()
+
+
+def test_wakeups_per_second_by_thread_name():
+    before = {1: ("rdk:broker1", 10, 1_000_000), 2: ("rdk:broker1", 5, 0), 3: ("rdk:main", 7, 0)}
+    after = {1: ("rdk:broker1", 30, 3_000_000), 2: ("rdk:broker1", 15, 2_000_000), 3: ("rdk:main", 7, 0),
+             4: ("late", 4, 400_000)}  # a thread started in the interval counts from nothing
+
+    rates = po.wakeups(before, after, seconds=10.0)
+
+    assert rates["rdk:broker1"] == pytest.approx([3.0, 400.0])  # (20 + 10) / 10 s; 4 ms / 10 s
+    assert rates["rdk:main"] == [0.0, 0.0]
+    assert rates["late"] == pytest.approx([0.4, 40.0])
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="reads /proc (Linux)")
+def test_thread_activity_names_python_threads_and_counts_their_wakeups():
+    wake, done, finish = threading.Event(), threading.Event(), threading.Event()
+
+    def sleeper():
+        wake.wait()
+        done.set()
+        finish.wait()  # alive for the second reading
+
+    thread = threading.Thread(target=sleeper, name="bench-sleeper")
+    thread.start()
+    try:
+        before = {tid: t for tid, t in po.thread_activity().items() if t[0] == "bench-sleeper"}
+        wake.set()
+        assert done.wait(5)
+        after = po.thread_activity()
+    finally:
+        wake.set()
+        finish.set()
+        thread.join(5)
+    (tid, (_, switches, _)), = before.items()
+    assert tid == thread.native_id
+    assert after[tid][1] > switches  # woken once at least
+
+
+def _case(cpu_s: float, steps: int, elapsed_s: float = 20.0, p99_us: float = 5.0) -> dict:
+    return {"cpu_s": cpu_s, "elapsed_s": elapsed_s, "steps": steps, "mean_us": 1.0, "p99_us": p99_us,
+            "threads": {"rdk:main": [1.0, 25.0]}}
+
+
+def test_targets_against_the_cheapest_peer_and_wandb(capsys):
+    # CPU per step (µs) at 1 / 10 / 100 steps/s, each 20 steps for simplicity.
+    per_step = {"trainmon": (300, 100, 50), "tensorboard": (800, 700, 600),
+                "trackio": (4000, 1000, 90), "wandb": (2700, 1400, 900)}
+    results = {}
+    for name, figures in per_step.items():
+        for case, us in zip(("1", "10", "100"), figures):
+            results[(name, case)] = _case(us * 20 / 1e6, 20)
+        results[(name, "idle")] = _case(0.002 if name == "trainmon" else 0.0, 0)  # 0.01 % of a core
+        results[(name, "tight")] = _case(0.1, 20_000, p99_us=25.0 if name == "trainmon" else 9.0)
+
+    po.report(results, list(per_step), "confluent-kafka", "load 1", "load 2")
+    lines = capsys.readouterr().out.splitlines()
+
+    def verdict(start: str) -> str:
+        (line,) = [line for line in lines if line.strip().startswith(start)]
+        return line
+
+    assert verdict("CPU per step at 1 steps/s <= 1/2").endswith("(tensorboard): 0.38x (met)")
+    assert verdict("CPU per step at 1 steps/s <= 1/10").endswith("0.11x (MISSED)")
+    assert verdict("CPU per step at 10 steps/s <= 1/10").endswith("0.07x (met)")
+    # At 100 steps/s trackio is the cheapest: 50 / 90.
+    assert verdict("CPU per step at 100 steps/s <= 1/2").endswith("(trackio): 0.56x (MISSED)")
+    assert not [line for line in lines if line.strip().startswith("CPU per step at 100 steps/s <= 1/10")]
+    assert verdict("idle <= 0.02 %").endswith("0.010 % (met)")
+    assert verdict("caller p99 <= 20 us").endswith("25.0 us (MISSED)")
+    assert any("trainmon" in line and "rdk:main 1.00/s 25 us/s" in line for line in lines)
