@@ -54,8 +54,9 @@ def test_up_with_notify_pages_a_webhook_on_a_nan(tmp_path):
             viewer = clickhouse_connect.get_client(
                 host="127.0.0.1", port=endpoint["port"], interface="http", username=endpoint["viewer"],
                 password=endpoint["viewer_password"], database="trainmon")
-            rows = viewer.query("SELECT count() FROM step FINAL WHERE run_id = 'paged-run'").result_rows
-            assert rows == [(60,)]
+            # The page can come before the loader's last batch (two consumers, no order between them).
+            wait_until(lambda: viewer.query("SELECT count() FROM step FINAL WHERE run_id = 'paged-run'")
+                       .result_rows == [(60,)], 60, "the job's 60 step rows in ClickHouse", pause=0.5)
             with pytest.raises(Exception, match="readonly|READONLY"):
                 viewer.command("DROP TABLE step")
         finally:

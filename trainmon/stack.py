@@ -618,7 +618,7 @@ def build_parser(action: str) -> argparse.ArgumentParser:
         parser.add_argument("--metrics-port", type=int, default=os.environ.get("TRAINMON_METRICS_PORT") or "0",
                             metavar="PORT", help="Prometheus metrics: the supervisor on PORT, each consumer "
                                                  "on the next ones (default: $TRAINMON_METRICS_PORT, else 0: "
-                                                 "free ports; trainmon status shows them; docs/metrics.md)")
+                                                 "free ports, recorded in the stack's directory; docs/metrics.md)")
         parser.add_argument("--metrics-listen", default=os.environ.get("TRAINMON_METRICS_LISTEN", "127.0.0.1"),
                             metavar="ADDR", help="the metrics endpoints' address (default: "
                                                  "$TRAINMON_METRICS_LISTEN or %(default)s)")
