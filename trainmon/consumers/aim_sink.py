@@ -77,8 +77,13 @@ class AimSink:
         if work.config is not None:
             run["hparams"] = work.config
             run["trainmon"] = {"run_id": work.run_id, **work.config.get("trainmon", {})}
-        if work.start is not None and work.start.name:
-            run.name = work.start.name
+        if work.start is not None:
+            if work.start.name:
+                run.name = work.start.name
+            # The start (its own topic) can come a batch after the run's first metrics, when
+            # the run was made under the default experiment: its project still names it.
+            if not self.experiment and work.start.project and run.experiment != work.start.project:
+                run.experiment = work.start.project
         for record in work.records:
             by_subset: dict[str, dict[str, float]] = {}
             for scalar in scalars(record):
