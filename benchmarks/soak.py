@@ -24,7 +24,9 @@ level, which is no growth), leaving out the start of each life (imports, caches,
 touching its heap): a minute, or a tenth of the run when longer. A slope is *flat* when it is within its noise bound: two
 standard errors of the slope (about 95 % confidence that the true slope is inside), and
 never less than a change too small to matter over the run itself (2 files or threads, or
-2 % of the median RSS, over the measured time).
+2 % of the median RSS, over the measured time). Beside it, the slope over the second half
+of the run alone: growth that levels off (a warm-up) shows there as flat, a leak does not.
+``--samples FILE`` keeps every sample as JSON.
 
 At the end, once the producers are closed: each kind's records in ClickHouse for the run,
 counted without ``FINAL`` (a copy stored twice counts twice until a merge collapses it)
@@ -447,6 +449,7 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=5_000, help="records/s, all ranks together (default 5000)")
     parser.add_argument("--kill-every", type=float, default=300.0, help="seconds between kill -9s (default 300)")
     parser.add_argument("--ranks", type=int, default=4, help="producer processes, one rank each (default 4)")
+    parser.add_argument("--samples", type=Path, help="also write every resource sample to this JSON file")
     args = parser.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # progress as it happens, also into a file
     for sig in STOP_SIGNALS:
@@ -563,7 +566,9 @@ def main() -> int:
         print(f"resources, sampled every {SAMPLE_EVERY_S:.0f} s, slope per hour within each process life "
               f"(first {sampler.settle_s:.0f} s of each left out); flat: |slope| <= max({NOISE_SIGMAS:g} standard "
               f"errors, {FLOOR_COUNT_OVER_RUN} files/threads or {FLOOR_RSS_OVER_RUN:.0%} of RSS over the run):")
-        print("  process      metric    median      slope/h     bound/h  lives samples  flat")
+        print("  process      metric    median  first->last settled      slope/h     bound/h  lives samples  flat"
+              "   2nd half slope/h")
+        half = (time.monotonic() - began) / 2
         grows, unfitted = [], []
         for name in sampler.samples:
             for metric in Sampler.METRICS:
@@ -577,11 +582,16 @@ def main() -> int:
                 flat = is_flat(fit, floor, measured_h)
                 if not flat and fit.slope_per_h > 0:
                     grows.append(f"{name} {metric}")
-                print(f"  {name:<12} {metric:<8} {median:>8.1f} {fit.slope_per_h:>+12.2f} "
-                      f"{noise_bound(fit, floor, measured_h):>11.2f} {fit.lives:>6} {fit.samples:>7}  "
-                      f"{'flat' if flat else 'GROWS' if fit.slope_per_h > 0 else 'falls'}")
+                # The second half alone tells growth that levels off (a warm-up) from growth that goes on.
+                later = slope_within_lives([p for p in points if p[1] >= half])
+                print(f"  {name:<12} {metric:<8} {median:>8.1f} {points[0][2]:>9.1f}->{points[-1][2]:<9.1f} "
+                      f"{fit.slope_per_h:>+12.2f} {noise_bound(fit, floor, measured_h):>11.2f} {fit.lives:>6} "
+                      f"{fit.samples:>7}  {'flat ' if flat else 'GROWS' if fit.slope_per_h > 0 else 'falls'}"
+                      f"  {later.slope_per_h if later else math.nan:>+12.2f}")
         if unfitted:
             print(f"  too few settled samples for a slope: {', '.join(unfitted)}")
+        if args.samples:
+            args.samples.write_text(json.dumps({"settle_s": sampler.settle_s, "samples": sampler.samples}))
         print("CPU, cores kept busy (of this machine's " + f"{os.cpu_count()}, shared with whatever else runs): "
               + ", ".join(f"{name} {sampler.cpu_share(name):.2f}" for name in sampler.samples))
 
