@@ -510,6 +510,10 @@ class SqlEndpoint:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"  # keep-alive, as clients pool connections
+            # TCP_NODELAY: the headers and the body go out as two writes, and on a kept-alive
+            # connection Nagle held the body until the client's delayed ACK of the headers:
+            # 40 ms more on every answer (541 panel queries: 57 ms each, 30 s, measured).
+            disable_nagle_algorithm = True
             server_version = "trainmon-chdb"
             sys_version = ""
 
