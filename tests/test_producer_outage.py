@@ -16,7 +16,7 @@ from .conftest import read_records
 # Round trips and outages on both transports: librdkafka and the kafka-python fallback.
 pytestmark = pytest.mark.usefixtures("both_clients")
 
-OUTAGE_S = 25  # well past the producer's delivery timeout: batches expire during it
+OUTAGE_S = 12  # over twice the producer's 5 s delivery timeout: batches expire during it
 
 
 @pytest.fixture
