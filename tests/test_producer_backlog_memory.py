@@ -9,12 +9,24 @@ import fcntl
 import logging
 import os
 
+import pytest
+
 from trainmon.kafka_client.memory_transport import MemoryBroker
-from trainmon.producer import Producer, ProducerConfig
+from trainmon.producer import Producer, ProducerConfig, worker
 from trainmon.producer.spill import SpillFile, claim_orphans
 from trainmon.schemas import count, pack, unpack
 
 from .waiting import wait_until
+
+
+@pytest.fixture(autouse=True)
+def quick_answers(monkeypatch):
+    """The MemoryBroker gives up on a message after 0.5 s, not Kafka's 5 s: the sender's
+    wait for Kafka's answers and its tick for collecting them are scaled down alike
+    (2 s and 1 s -> 0.1 s), so these tests wait tenths of a second for what the real
+    producer waits seconds for."""
+    monkeypatch.setattr(worker, "_ANSWER_WAIT_S", 0.1)
+    monkeypatch.setattr(worker, "_SERVE_EVERY_S", 0.1)
 
 
 def entry(*records: str) -> tuple[str, bytes, bytes]:
