@@ -3,23 +3,11 @@ pure, in memory, no engine and no broker."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "alert_quality.py"
+from .benchmark_scripts import load_benchmark
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("alert_quality", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    return module
-
-
-aq = _load()
+aq = load_benchmark("alert_quality")
 LOGGED = {0: [0, 5, 10, 11, 12, 13, 20, 30, 31, 40]}  # rank 0 logged these steps
 
 

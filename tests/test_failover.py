@@ -7,28 +7,13 @@ back into every ISR. log_step's latency is printed, not asserted (a shared machi
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+
+from .benchmark_scripts import load_benchmark
 
 pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "failover.py"
-
-
-def _load():
-    # Under its own file name, like the other benchmark tests; it imports its neighbours
-    # (outage_scenarios, whose producer function the spawned ranks import by that name).
-    spec = importlib.util.spec_from_file_location("failover", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-failover = _load()
+failover = load_benchmark("failover")
 
 
 def test_leader_killed_for_15_s_loses_nothing_and_delivers_within_10_s():

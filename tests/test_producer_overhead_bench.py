@@ -4,25 +4,14 @@ Pure, in memory: no broker, no tracker imported."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "producer_overhead.py"
+from .benchmark_scripts import load_benchmark
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location("producer_overhead", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-po = _load()
+po = load_benchmark("producer_overhead")
 
 
 def test_wakeups_per_second_by_thread_name():

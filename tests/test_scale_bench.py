@@ -5,23 +5,9 @@ the right ranks, and every record becomes a row. No timing is asserted."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
+from .benchmark_scripts import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "scale.py"
-
-
-def _load():
-    # Under its own file name: the sender processes (spawned) import it by that name.
-    spec = importlib.util.spec_from_file_location("scale", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    return module
-
-
-scale = _load()
+scale = load_benchmark("scale")
 
 
 def test_quick_run_fires_exactly_the_injected_incidents(bootstrap, tmp_path, capsys):

@@ -3,26 +3,13 @@ life and its noise bound, and the exactly-once query run on chDB (no broker)."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "benchmarks" / "soak.py"
+from .benchmark_scripts import load_benchmark
 
-
-def _load():
-    # As the other benchmark tests do: the script under its own name, benchmarks/ kept off sys.path.
-    spec = importlib.util.spec_from_file_location("soak", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    return module
-
-
-soak = _load()
+soak = load_benchmark("soak")
 
 HOUR = 3600.0
 
