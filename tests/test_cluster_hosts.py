@@ -120,13 +120,16 @@ def test_a_two_node_job_logs_through_a_secured_stack_and_strangers_are_refused(t
 
             # Clients the stack must refuse, each from a compute node, each told why.
             before = topic_ends(hosts, stack_dir)
-            for mode in REFUSED:
-                env = on_node(job_env, tmp_path / f"probe-{mode}")
-                done = hosts.run("node0", [sys.executable, "-m", "tests.cluster_probe", mode,
-                                           str(tmp_path / f"probe-{mode}" / "spill")],
-                                 env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
-                assert done.returncode == 0, done.stderr[-2000:]
-                said = json.loads(done.stdout.strip().splitlines()[-1])
+            # Each a process of its own (a producer says a cause once per process), all at once.
+            probes = [hosts.popen("node0", [sys.executable, "-m", "tests.cluster_probe", mode,
+                                            str(tmp_path / f"probe-{mode}" / "spill")],
+                                  env=on_node(job_env, tmp_path / f"probe-{mode}"), cwd=REPO,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                      for mode in REFUSED]
+            for mode, probe in zip(REFUSED, probes):
+                out, err = probe.communicate(timeout=120)
+                assert probe.returncode == 0, err[-2000:]
+                said = json.loads(out.strip().splitlines()[-1])
                 assert said["error"] and said["after_s"] <= 10, (mode, said)
                 cause = {"no-credentials": "wants a login", "wrong-password": "refused the login",
                          "plaintext": "wants TLS", "no-ca": "not trusted",

@@ -130,8 +130,11 @@ def client_config(cluster, user: str, password: str, **extra) -> dict:
             "ssl.ca.location": str(cluster["ca"]), **extra}
 
 
-def refused(config: dict) -> tuple[list[str], list]:
-    """A produce with these settings: the client's errors, and the messages it delivered."""
+def refused(config: dict, expected: str = "") -> tuple[list[str], list]:
+    """A produce with these settings: the client's errors, and the messages it delivered,
+    until an error saying ``expected`` (the refusal) or a delivery came. Nothing refused
+    reaches a topic either later: the test checks the topics' ends afterwards, so the
+    message's own timeout is not waited out."""
     from confluent_kafka import Producer
 
     errors: list[str] = []
@@ -139,7 +142,14 @@ def refused(config: dict) -> tuple[list[str], list]:
     producer = Producer({**config, "error_cb": lambda e: errors.append(e.str()), "log_level": 0,
                          "message.timeout.ms": 8000})
     producer.produce("trainmon.step", b"{}", on_delivery=lambda err, msg: err is None and delivered.append(msg))
-    producer.flush(15)
+
+    def answered() -> bool:
+        producer.poll(0.1)
+        return bool(delivered) or any(expected in e for e in errors)
+
+    wait_until(answered, 15, f"an error saying {expected!r} or a delivery", pause=0)
+    producer.purge()
+    producer.flush(0)
     return errors, delivered
 
 
@@ -217,12 +227,12 @@ def test_compose_kafka_settings_as_three_real_brokers(compose_kafka):
     assert "GROUP_AUTHORIZATION_FAILED" in str(read_as("writer").error())
 
     for user, password in (("stranger", "anything"), ("writer", "wrong")):
-        errors, delivered = refused(client_config(cluster, user, password))
+        errors, delivered = refused(client_config(cluster, user, password), "Authentication failed")
         assert not delivered and any("Authentication failed" in e for e in errors), (user, errors)
     errors, delivered = refused({"bootstrap.servers": cluster["external"]})  # plain text to the TLS port
     assert not delivered and errors
     no_ca = client_config(cluster, "writer", PASSWORDS["writer"])
     del no_ca["ssl.ca.location"]
-    errors, delivered = refused(no_ca)
+    errors, delivered = refused(no_ca, "certificate verify failed")
     assert not delivered and any("certificate verify failed" in e for e in errors), errors
     assert step_messages(cluster["admin_env"]) == sent_by_job  # nothing refused reached the topic

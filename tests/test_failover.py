@@ -1,6 +1,7 @@
 """benchmarks/failover.py, shorter: three brokers, four ranks at 50 steps/s and the
 ClickHouse service running; the broker that leads most record partitions (and the run's
-own partition) is killed with -9 for 15 s, once. Every record logged is in ClickHouse,
+own partition) is killed with -9 for 11 s, once (longer than the 10 s target: a gap within
+it is the cluster's failover, not the broker's return). Every record logged is in ClickHouse,
 duplicates are counted, the longest gap in Kafka's acknowledgements around the kill is
 within the 10 s target, the service loads again without a restart and the broker comes
 back into every ISR. log_step's latency is printed, not asserted (a shared machine)."""
@@ -16,8 +17,8 @@ pytestmark = [pytest.mark.kafka, pytest.mark.slow]
 failover = load_benchmark("failover")
 
 
-def test_leader_killed_for_15_s_loses_nothing_and_delivers_within_10_s():
-    result = failover.run(kills=("leader",), outage_s=15.0, settle_s=5.0, reference_s=0)
+def test_leader_killed_for_11_s_loses_nothing_and_delivers_within_10_s():
+    result = failover.run(kills=("leader",), outage_s=11.0, settle_s=3.0, reference_s=0)
     res = result["failover"]
 
     assert res["logged"] > 0 and res["distinct"] == res["logged"], res

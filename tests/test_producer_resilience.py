@@ -80,7 +80,7 @@ def test_records_spilled_at_exit_are_sent_by_the_next_producer(own_broker, tmp_p
                                     topic_prefix="x.", spill_dir=spill))
     for step in range(20):
         first.log_step(step, **step_fields(step))
-    assert not first.close(timeout=3)  # the broker never came: nothing delivered...
+    assert not first.close(timeout=1)  # the broker never came: nothing delivered...
     assert list(spill.glob("*.spill")), "...but everything is kept on disk"
 
     own_broker.start()
@@ -172,8 +172,8 @@ def test_a_topic_limit_below_the_batch_size_names_the_setting_and_keeps_the_reco
             timers = {f"phase-{i}": 1.0 for i in range(200)}
             for step in range(30):
                 first.log_step(step, timers=timers, **step_fields(step))
-            assert not first.flush(5)
-            first.close(timeout=2)
+            wait_until(lambda: "max.message.bytes" in caplog.text, 30, "the broker's refusal, named")
+            assert not first.close(timeout=1)
         assert "max.message.bytes" in caplog.text and first.spilled == 30
         admin.alter_configs([ConfigResource(ConfigResourceType.TOPIC, topic,
                                             configs={"max.message.bytes": "1048588"})])

@@ -275,14 +275,16 @@ class Broker:
             # setting), no longer than the interval.
             "log.initial.task.delay.ms": str(min(30_000, self.retention_check_ms)),
         }
+        # A broker killed with -9 is fenced (in a cluster: its partitions led elsewhere)
+        # after the session timeout: 4 s instead of Kafka's 9, within the producers' 5 s
+        # delivery timeout, so a broker's crash is seldom more than a pause. A lone node
+        # restarted after a crash also waits out its old session before it may register
+        # again (its controller, restarted with it, gives every known broker a fresh one).
+        props["broker.session.timeout.ms"] = "4000"
+        props["broker.heartbeat.interval.ms"] = "1000"
         if self.voters:
             props["controller.quorum.voters"] = ",".join(
                 f"{node}@127.0.0.1:{port}" for node, port in self.voters)
-            # A broker killed with -9 is fenced (its partitions led elsewhere) after the
-            # session timeout: 4 s instead of Kafka's 9, within the producers' 5 s
-            # delivery timeout, so a broker's crash is seldom more than a pause.
-            props["broker.session.timeout.ms"] = "4000"
-            props["broker.heartbeat.interval.ms"] = "1000"
             # A restarted broker leads its share again within a minute, not five.
             props["leader.imbalance.check.interval.seconds"] = "30"
         else:

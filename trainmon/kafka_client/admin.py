@@ -95,8 +95,8 @@ def group_lag(group: str, topics: list[str], *, env: dict | None = None, bootstr
     try:
         parts = [TopicPartition(t, p) for t in topics for p in reader.partitions_for(t)]
         committed = reader.committed(parts, timeout_s)
-        return sum(max(0, reader.watermarks(tp, timeout_s=timeout_s)[1] - (committed.get(tp) or 0))
-                   for tp in parts)
+        ends = reader.end_offsets(parts, timeout_s)
+        return sum(max(0, ends[tp] - (committed.get(tp) or 0)) for tp in parts)
     finally:
         reader.close()
 

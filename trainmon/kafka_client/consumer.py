@@ -297,8 +297,22 @@ class Consumer:
         low, high = answer
         return (max(low, -1), max(high, -1))
 
-    def end_offsets(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
-        return {tp: self.watermarks(tp)[1] for tp in partitions}
+    def end_offsets(self, partitions: Iterable[TopicPartition], timeout_s: float = 10.0) -> dict[TopicPartition, int]:
+        """Each partition's end (high watermark) as of now, in one batched ListOffsets
+        request (a timestamp of -1 asks for the end): a watermark query per partition waits
+        behind the consumer's own fetch each time (fetch.wait.max.ms), ~0.1 s apiece."""
+        from confluent_kafka import TopicPartition as _TP
+
+        partitions = list(partitions)
+        if not partitions:
+            return {}
+        answer = retried(lambda: self._consumer.offsets_for_times([_TP(*tp, -1) for tp in partitions],
+                                                                  timeout=timeout_s),
+                         "end offsets", timeout_s)
+        ends = {TopicPartition(p.topic, p.partition): p.offset for p in answer
+                if p.error is None and p.offset >= 0}
+        # A partition the batch did not answer for is asked alone.
+        return {tp: ends[tp] if tp in ends else self.watermarks(tp, timeout_s=timeout_s)[1] for tp in partitions}
 
     def commit(self, offsets: dict[TopicPartition, int]) -> None:
         """Commit these next-offsets, synchronously."""

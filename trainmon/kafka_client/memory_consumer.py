@@ -209,7 +209,7 @@ class MemoryConsumer:
     def watermarks(self, tp: TopicPartition, cached: bool = False, timeout_s: float = 10.0) -> tuple[int, int]:
         return (0, len(self.broker.topics.get(tp.topic, [])))
 
-    def end_offsets(self, partitions: Iterable[TopicPartition]) -> dict[TopicPartition, int]:
+    def end_offsets(self, partitions: Iterable[TopicPartition], timeout_s: float = 10.0) -> dict[TopicPartition, int]:
         return {tp: self.watermarks(tp)[1] for tp in partitions}
 
     def commit(self, offsets: dict[TopicPartition, int]) -> None:
