@@ -347,6 +347,20 @@ def start_alerts(scn: Scenario, bootstrap: str, prefix: str, work: Path):
                                 stderr=subprocess.STDOUT)
 
 
+def wait_joined(group: str, bootstrap: str, service: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    """Until the service's consumer group is stable with partitions assigned: it has
+    joined and reads, so its start-up is not measured."""
+    from trainmon.kafka_client.admin import assigned_partitions
+
+    deadline = time.monotonic() + timeout_s
+    while not assigned_partitions(group, bootstrap=bootstrap):
+        if service.poll() is not None:
+            return  # the caller reports the exit
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{group}: no partitions assigned after {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
 class CpuTimeline(threading.Thread):
     """Once a second: CPU seconds of the given processes and of the whole machine, into a
     CSV in the work directory (what competed for the cores when, for a run kept with --keep)."""
@@ -489,7 +503,7 @@ def run(scn: Scenario, bootstrap: str, work: Path, progress=print) -> Result:
         for c in conns:
             if not c.poll(120) or c.recv() != "ready":
                 raise RuntimeError("a sender process did not start")
-        time.sleep(2.0)  # the alerts service has joined its group and is idle
+        wait_joined(f"{prefix}alerts", bootstrap, alerts)
         if alerts.poll() is not None:
             raise RuntimeError("the alerts service exited:\n" + (work / "alerts.log").read_text())
         cpu0, rss0, _ = proc_sample(alerts.pid)

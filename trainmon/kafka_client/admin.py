@@ -71,6 +71,24 @@ def wait_for_leaders(names: list[str], *, env: dict | None = None, bootstrap: st
         time.sleep(0.05)
 
 
+def assigned_partitions(group: str, *, env: dict | None = None, bootstrap: str | None = None,
+                        timeout_s: float = 10.0) -> int:
+    """Partitions assigned to the members of ``group`` once it is stable (0 while it is
+    empty or rebalancing): whether a consumer service has joined and may read."""
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    from confluent_kafka import ConsumerGroupState, KafkaException
+
+    admin = _admin(env, bootstrap)
+    try:
+        described = admin.describe_consumer_groups([group], request_timeout=timeout_s)[group].result(timeout_s)
+    except (KafkaException, FutureTimeout) as exc:
+        raise KafkaError(f"describe group {group}: {exc!r}", retriable=True) from exc
+    if described.state != ConsumerGroupState.STABLE:
+        return 0
+    return sum(len(m.assignment.topic_partitions) for m in described.members if m.assignment)
+
+
 def delete_group(group: str, *, env: dict | None = None, bootstrap: str | None = None,
                  timeout_s: float = 10.0) -> None:
     from concurrent.futures import TimeoutError as FutureTimeout
