@@ -19,6 +19,7 @@ fixtures use it.
 
 from __future__ import annotations
 
+import base64
 import functools
 import hashlib
 import ipaddress
@@ -34,9 +35,11 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from .class_sharing import ClassSharing
 from .stack_security import SCRAM, StackSecrets
 from .topics import broker_defaults, topic_config
 
@@ -214,6 +217,7 @@ class Broker:
     def __post_init__(self) -> None:
         self.data_dir = Path(self.data_dir)
         self._watchdog = None
+        self._recording: Path | None = None  # the class list this start records (class_sharing)
         state = self._read_state()
         # Restarting on the same data dir keeps the same ports: clients reconnect.
         self.port = self.port or state.get("port") or free_port()
@@ -328,11 +332,16 @@ class Broker:
             "allow.everyone.if.no.acl.found": "false",
         }
 
-    def _java(self, main: str, *args: str, **popen) -> list[str]:
-        classpath = os.pathsep.join(str(p) for p in sorted(fetch().glob("*.jar")))
-        return [java()[0], f"-Xmx{self.heap}", f"-Xms{self.heap}", *jvm_performance_options(),
-                "-Djava.awt.headless=true", "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn",
-                "-cp", classpath, main, *args]
+    def _class_sharing(self) -> ClassSharing:
+        libs = fetch()
+        classpath = os.pathsep.join(str(p) for p in sorted(libs.glob("*.jar")))
+        return ClassSharing(libs / "class-data", java()[0], classpath)
+
+    def _java(self, main: str, *args: str, recording: Path | None = None) -> list[str]:
+        sharing = self._class_sharing()
+        return [sharing.java, f"-Xmx{self.heap}", f"-Xms{self.heap}", *jvm_performance_options(),
+                *sharing.options(recording), "-Djava.awt.headless=true",
+                "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn", "-cp", sharing.classpath, main, *args]
 
     def start(self, timeout: float = 60.0, wait: bool = True) -> "Broker":
         if self.running():
@@ -340,13 +349,14 @@ class Broker:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         props = self._write_properties()
         if not (self.data_dir / "logs" / "meta.properties").exists():
-            self.format(self.cluster_id or new_cluster_id(self), props)
+            self.format(self.cluster_id or new_cluster_id(), props)
         log = open(self.data_dir / "broker.log", "ab")
         # A session of its own: a Ctrl-C meant for the command in the terminal does not
         # reach it (`trainmon up`'s broker outlives its command; a throwaway's owner stops
         # it in order, after its clients).
-        proc = subprocess.Popen(self._java("kafka.Kafka", str(props)), stdout=log, stderr=log,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        self._recording = self._class_sharing().recording_path()
+        proc = subprocess.Popen(self._java("kafka.Kafka", str(props), recording=self._recording), stdout=log,
+                                stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
         if self.throwaway:
             from .process_lifetime import watch
 
@@ -375,6 +385,9 @@ class Broker:
                 raise RuntimeError(f"Kafka broker exited with {proc.returncode}; "
                                    f"see {self.data_dir / 'broker.log'}")
             if _port_open(self.port, self.listen) and self._metadata_ready():
+                if self._recording is not None:  # a start without a class-data archive: make it
+                    self._class_sharing().make_archive(self._recording)
+                    self._recording = None
                 return
             time.sleep(0.2)
         self.stop()
@@ -430,9 +443,13 @@ class Broker:
                              bootstrap=self.bootstrap)
 
 
-def new_cluster_id(broker: Broker) -> str:
-    return subprocess.run(broker._java("kafka.tools.StorageTool", "random-uuid"), check=True,
-                          capture_output=True, text=True).stdout.strip().splitlines()[-1]
+def new_cluster_id() -> str:
+    """What ``kafka-storage random-uuid`` prints (Kafka's ``Uuid.randomUuid``: 16 random
+    bytes in URL-safe base64 without padding, never starting with "-"), without a JVM."""
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
 
 
 @dataclass
@@ -473,7 +490,7 @@ class Cluster:
         cluster_id = None
         for broker in self.brokers:
             if not (broker.data_dir / "logs" / "meta.properties").exists():
-                cluster_id = cluster_id or new_cluster_id(broker)
+                cluster_id = cluster_id or new_cluster_id()
                 broker.cluster_id = cluster_id
             broker.start(wait=False)
         for broker in self.brokers:
