@@ -90,11 +90,3 @@ def test_a_crash_before_the_commit_resumes_from_clickhouse_offsets_and_writes_ea
     again.run()
     assert stored_steps(client) == list(range(80))
     assert committed_offsets(broker, GROUP)[STEP_0] == 4
-
-
-def test_the_embedded_engine_is_started_with_its_settings(client):
-    """Tables loaded before the first insert, and at most 32 idle threads kept (each
-    holding three /proc files open): a burst does not leave its threads behind."""
-    rows = client.query("SELECT name, value FROM system.server_settings "
-                        "WHERE name IN ('async_load_databases', 'max_thread_pool_free_size')").result_rows
-    assert dict(rows) == {"async_load_databases": "0", "max_thread_pool_free_size": "32"}

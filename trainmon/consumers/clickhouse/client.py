@@ -21,19 +21,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 DEFAULT_PATH = Path("trainmon-data") / "chdb"
-# The embedded engine's server settings.
-EMBEDDED_OPTIONS = {
-    # Load every table and view before the first query: with chDB's default asynchronous
-    # loading, an insert right after start could run before a user's materialized view on
-    # that table is attached, and skip it.
-    "async_load_databases": "0",
-    # Idle threads the global pool keeps (ClickHouse: 1,000). The pool grows to the most
-    # jobs ever run at once (136 threads, seen in a soak on a busy machine) and each
-    # thread that ran a query keeps three /proc files open (its stat, schedstat and io
-    # counters): a service's threads and open files then stood at the high-water mark of
-    # a burst. Threads beyond these 32 end when their job does, with their files.
-    "max_thread_pool_free_size": "32",
-}
 DEFAULT_DATABASE = "trainmon"
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -96,8 +83,11 @@ def connect(target: Target | None = None):
     if target.embedded:
         target.path.mkdir(parents=True, exist_ok=True)
         try:
+            # Load every table and view before the first query: with chDB's default
+            # asynchronous loading, an insert right after start could run before a
+            # user's materialized view on that table is attached, and skip it.
             return clickhouse_connect.get_client(interface="chdb", path=str(target.path),
-                                                 chdb_options=EMBEDDED_OPTIONS)
+                                                 chdb_options={"async_load_databases": "0"})
         except ProgrammingError as exc:
             text = str(exc)
             if "already initialized with path" in text:
