@@ -11,12 +11,12 @@ import sys
 import textwrap
 
 HOLD = textwrap.dedent("""
-    import sys, time
+    import sys
     from trainmon.consumers.clickhouse.client import Target, connect
     client = connect(Target(path=sys.argv[1]))
     client.command("SELECT 1")
     print("held", flush=True)
-    time.sleep(float(sys.argv[2]))
+    sys.stdin.readline()  # held until the test says so (or closes the pipe)
     client.close()
 """)
 
@@ -34,33 +34,39 @@ OPEN = textwrap.dedent("""
 """)
 
 
-def _hold(path, seconds: float) -> subprocess.Popen:
-    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(path), str(seconds)],
-                              stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "held"
-    return holder
-
-
 def _open(path, wait_s: float) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", OPEN, str(path), str(wait_s)],
                           capture_output=True, text=True, timeout=120)
 
 
+def _hold(path) -> subprocess.Popen:
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
 def test_a_briefly_held_directory_is_waited_for(tmp_path):
-    holder = _hold(tmp_path / "chdb", 4)
+    holder = _hold(tmp_path / "chdb")
     try:
-        opened = _open(tmp_path / "chdb", 60)
+        opener = subprocess.Popen([sys.executable, "-c", OPEN, str(tmp_path / "chdb"), "60"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        said = ""
+        while "in use by another process" not in said and opener.poll() is None:
+            said += opener.stderr.readline()  # why it waits: the directory is held ...
+        holder.stdin.close()  # ... and only then is it let go
+        out, err = opener.communicate(timeout=120)
     finally:
+        holder.kill()
         holder.wait(30)
-    assert opened.returncode == 0, opened.stderr[-2000:]
-    word, waited, answer = opened.stdout.split()
+    assert opener.returncode == 0, said + err[-2000:]
+    word, _, answer = out.split()
     assert (word, answer) == ("opened", "42")
-    assert float(waited) >= 1.0, "it opened while the other process still held the directory?"
-    assert "in use by another process" in opened.stderr  # said once why it waits
+    assert "in use by another process" in said and "in use by another process" not in err  # said once
 
 
 def test_a_directory_held_past_the_wait_names_the_path(tmp_path):
-    holder = _hold(tmp_path / "chdb", 30)
+    holder = _hold(tmp_path / "chdb")
     try:
         opened = _open(tmp_path / "chdb", 1)
     finally:

@@ -8,12 +8,7 @@ import math
 
 import pytest
 
-lightning = pytest.importorskip("lightning")
 torch = pytest.importorskip("torch")
-
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint  # noqa: E402
-
-from trainmon.integrations.lightning import TrainmonLogger  # noqa: E402
 
 from .clickhouse_service import ClickHouseService  # noqa: E402
 from .clickhouse_service import kill_leftover_services  # noqa: E402,F401 (autouse fixture)
@@ -21,24 +16,33 @@ from .clickhouse_service import kill_leftover_services  # noqa: E402,F401 (autou
 STEPS = 12
 
 
-class Regression(lightning.LightningModule):
-    def __init__(self, lr: float = 0.05, hidden: int = 8):
-        super().__init__()
-        self.save_hyperparameters()
-        self.net = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
+@pytest.fixture(scope="module")
+def lightning():
+    """Imported when a test here runs (~3 s), not whenever the suite is collected."""
+    return pytest.importorskip("lightning")
 
-    def training_step(self, batch, _):
-        x, y = batch
-        loss = torch.nn.functional.mse_loss(self.net(x), y)
-        self.log("train_loss", loss, on_step=True, on_epoch=True)
-        return loss
 
-    def validation_step(self, batch, _):
-        x, y = batch
-        self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+def regression(lightning, lr: float = 0.05, hidden: int = 8):
+    class Regression(lightning.LightningModule):
+        def __init__(self, lr: float, hidden: int):
+            super().__init__()
+            self.save_hyperparameters()
+            self.net = torch.nn.Sequential(torch.nn.Linear(4, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 1))
 
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        def training_step(self, batch, _):
+            x, y = batch
+            loss = torch.nn.functional.mse_loss(self.net(x), y)
+            self.log("train_loss", loss, on_step=True, on_epoch=True)
+            return loss
+
+        def validation_step(self, batch, _):
+            x, y = batch
+            self.log("val_loss", torch.nn.functional.mse_loss(self.net(x), y))
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+
+    return Regression(lr, hidden)
 
 
 def loader(n: int, seed: int):
@@ -48,7 +52,11 @@ def loader(n: int, seed: int):
 
 
 def test_a_real_lightning_run_lands_its_steps_and_evals_in_clickhouse(
-        make_producer, bootstrap, topic_prefix, tmp_path):
+        lightning, make_producer, bootstrap, topic_prefix, tmp_path):
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+
+    from trainmon.integrations.lightning import TrainmonLogger
+
     service = ClickHouseService(bootstrap, topic_prefix, tmp_path / "ch", tmp_path / "service.log").start()
     producer = make_producer(run_id="pl-run")
     trainer = lightning.Trainer(
@@ -57,7 +65,7 @@ def test_a_real_lightning_run_lands_its_steps_and_evals_in_clickhouse(
         logger=TrainmonLogger(producer), default_root_dir=str(tmp_path),
         callbacks=[LearningRateMonitor(logging_interval="step"),
                    ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=6, save_top_k=-1)])
-    trainer.fit(Regression(), loader(96, 0), loader(16, 1))
+    trainer.fit(regression(lightning), loader(96, 0), loader(16, 1))
     assert producer.flush(30)
 
     run = "run_id = 'pl-run'"
@@ -83,7 +91,9 @@ def test_a_real_lightning_run_lands_its_steps_and_evals_in_clickhouse(
     assert service.stop() == 0
 
 
-def test_metric_names_map_onto_records(make_producer):
+def test_metric_names_map_onto_records(lightning, make_producer):
+    from trainmon.integrations.lightning import TrainmonLogger
+
     sent = []
 
     class Recorder:
