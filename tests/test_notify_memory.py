@@ -160,3 +160,13 @@ def test_messages_group_one_rule_of_one_run_and_skip_the_superseded_half_of_an_e
     assert [(m.run_id, m.rule, m.state, len(m.alerts)) for m in grouped] == [
         ("r", "nan", "firing", 3), ("r", "stall", "firing", 1), ("s", "nan", "firing", 1)]
     assert "dashboard: http://grafana:3000/d/trainmon?var-run_id=r" in grouped[0].body
+
+
+def test_the_repost_interval_must_be_positive_and_a_short_one_is_kept():
+    from trainmon.consumers.notify.config import ConfigError, load_config
+    from trainmon.consumers.notify.sink import NotifySink
+
+    with pytest.raises(ConfigError, match="TRAINMON_NOTIFY_REPOST_S"):
+        load_config({"TRAINMON_NOTIFY_REPOST_S": "0"})
+    assert NotifySink(load_config({"TRAINMON_NOTIFY_REPOST_S": "0.2"}), topic_prefix="t.").poll_s == 0.2
+    assert NotifySink(load_config({}), topic_prefix="t.").poll_s == 1.0  # a minute: looked at every second

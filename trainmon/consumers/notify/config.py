@@ -123,4 +123,6 @@ def load_config(env: dict | None = None, **overrides) -> NotifyConfig:
         give_up_after_s=float(env.get("TRAINMON_NOTIFY_GIVE_UP_AFTER_S", "600")),
     )
     settings.update({k: v for k, v in overrides.items() if v is not None})
+    if not settings["repost_s"] > 0:
+        raise ConfigError(f"TRAINMON_NOTIFY_REPOST_S: {settings['repost_s']!r} is not a positive number of seconds")
     return NotifyConfig(**settings)

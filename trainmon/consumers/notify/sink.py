@@ -49,6 +49,8 @@ class NotifySink(runtime.Sink):
 
     def __init__(self, config: NotifyConfig, *, topic_prefix: str | None = None):
         self.config = config
+        # A re-post interval under a second is kept too: tick looks that often.
+        self.poll_s = min(NotifySink.poll_s, config.repost_s)
         self.prefix = topics.prefix() if topic_prefix is None else topic_prefix
         self.channels = [AppriseChannel(c, config.rate_per_minute) for c in config.channels]
         self.alertmanager = AlertmanagerClient(config.alertmanager_url) if config.alertmanager_url else None
