@@ -9,7 +9,7 @@ import subprocess
 
 import pytest
 
-from trainmon.broker import fetch, java
+from trainmon.broker import classpath, java
 from trainmon.class_sharing import ClassSharing
 
 from .waiting import wait_until
@@ -18,8 +18,7 @@ pytestmark = pytest.mark.kafka  # the broker's jars and a Java, no broker
 
 
 def sharing_in(directory) -> ClassSharing:
-    classpath = os.pathsep.join(str(p) for p in sorted(fetch().glob("*.jar")))
-    return ClassSharing(directory, java()[0], classpath)
+    return ClassSharing(directory, java()[0], classpath())
 
 
 def test_a_recorded_class_list_becomes_an_archive_that_the_jvm_maps(tmp_path):

@@ -27,7 +27,7 @@ import yaml
 
 from tests.waiting import wait_until
 from trainmon import topics
-from trainmon.broker import fetch, free_port
+from trainmon.broker import classpath, free_port
 from trainmon.kafka_client import create_topics
 from trainmon.kafka_client.acls import grant_stack_acls
 
@@ -91,7 +91,7 @@ def compose_kafka(tmp_path_factory):
     made = subprocess.run(["sh", "-c", script], capture_output=True, text=True,
                           env={**os.environ, "PUBLIC_HOST": "localhost", "TLS_PASSWORD": SECRETS["KAFKA_TLS_PASSWORD"]})
     assert made.returncode == 0, made.stderr
-    classpath = os.pathsep.join(str(p) for p in sorted(fetch().glob("*.jar")))
+    kafka_classpath = classpath()
     ports = {node: {name: free_port() for name in ("INTERNAL", "EXTERNAL", "CONTROLLER")} for node in NODES}
     procs = []
     try:
@@ -100,11 +100,11 @@ def compose_kafka(tmp_path_factory):
             config = root / node / "server.properties"
             config.parent.mkdir()
             config.write_text("".join(f"{k}={v}\n" for k, v in props.items()))
-            formatted = subprocess.run(["java", "-cp", classpath, "kafka.tools.StorageTool", "format",
+            formatted = subprocess.run(["java", "-cp", kafka_classpath, "kafka.tools.StorageTool", "format",
                                         "-t", cluster_id, "-c", str(config)], capture_output=True, text=True)
             assert formatted.returncode == 0, formatted.stdout + formatted.stderr
             with open(root / node / "broker.log", "wb") as log:
-                procs.append(subprocess.Popen(["java", "-Xmx384m", "-Xms384m", "-cp", classpath, "kafka.Kafka",
+                procs.append(subprocess.Popen(["java", "-Xmx384m", "-Xms384m", "-cp", kafka_classpath, "kafka.Kafka",
                                                str(config)], stdout=log, stderr=log, start_new_session=True))
         internal = ",".join(f"127.0.0.1:{ports[n]['INTERNAL']}" for n in NODES)
         admin_env = {"TRAINMON_KAFKA_BOOTSTRAP": internal, "TRAINMON_KAFKA_SECURITY_PROTOCOL": "SASL_PLAINTEXT",

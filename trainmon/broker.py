@@ -64,6 +64,17 @@ PINNED_JARS = Path(__file__).with_name("kafka_jars.json")
 MAVEN_CENTRAL = "https://repo1.maven.org/maven2"
 
 
+def classpath() -> str:
+    """The broker's classpath: the fetched jars, in one fixed order (a class-data archive
+    holds only for the classpath it was made with)."""
+    return os.pathsep.join(str(p) for p in sorted(fetch().glob("*.jar")))
+
+
+def class_sharing() -> ClassSharing:
+    """The class-data archive of the fetched jars, for the Java that runs Kafka."""
+    return ClassSharing(fetch() / "class-data", java()[0], classpath())
+
+
 def fetch(quiet: bool = True) -> Path:
     """The broker's jars: ``TRAINMON_KAFKA_LIBS`` as it is where it holds jars (a machine
     without internet), else fetched once into the cache from Maven Central (or the
@@ -332,13 +343,13 @@ class Broker:
             "allow.everyone.if.no.acl.found": "false",
         }
 
-    def _class_sharing(self) -> ClassSharing:
-        libs = fetch()
-        classpath = os.pathsep.join(str(p) for p in sorted(libs.glob("*.jar")))
-        return ClassSharing(libs / "class-data", java()[0], classpath)
+    @functools.cached_property
+    def _sharing(self) -> ClassSharing:
+        """Once per broker: it names the Java (``java -version`` runs) and the jars."""
+        return class_sharing()
 
     def _java(self, main: str, *args: str, recording: Path | None = None) -> list[str]:
-        sharing = self._class_sharing()
+        sharing = self._sharing
         return [sharing.java, f"-Xmx{self.heap}", f"-Xms{self.heap}", *jvm_performance_options(),
                 *sharing.options(recording), "-Djava.awt.headless=true",
                 "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn", "-cp", sharing.classpath, main, *args]
@@ -354,7 +365,7 @@ class Broker:
         # A session of its own: a Ctrl-C meant for the command in the terminal does not
         # reach it (`trainmon up`'s broker outlives its command; a throwaway's owner stops
         # it in order, after its clients).
-        self._recording = self._class_sharing().recording_path()
+        self._recording = self._sharing.recording_path()
         proc = subprocess.Popen(self._java("kafka.Kafka", str(props), recording=self._recording), stdout=log,
                                 stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
         if self.throwaway:
@@ -386,7 +397,7 @@ class Broker:
                                    f"see {self.data_dir / 'broker.log'}")
             if _port_open(self.port, self.listen) and self._metadata_ready():
                 if self._recording is not None:  # a start without a class-data archive: make it
-                    self._class_sharing().make_archive(self._recording)
+                    self._sharing.make_archive(self._recording)
                     self._recording = None
                 return
             time.sleep(0.2)
