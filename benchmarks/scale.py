@@ -1,7 +1,9 @@
-"""A simulated 1,024-rank run through the real pipeline: ingest lag, alert latency, the
-alerts engine's cost, ClickHouse bytes per row, and exactly the injected incidents firing.
+"""A simulated 1,024- or 16,384-rank run through the real pipeline: ingest lag, alert
+latency, the alerts engine's cost, ClickHouse bytes per row, and exactly the injected
+incidents firing.
 
     .venv/bin/python benchmarks/scale.py [--ranks 1024] [--steps 1000] [--speedup 8] [--processes 4]
+    .venv/bin/python benchmarks/scale.py --llama3    # 16,384 ranks, 4 s steps, real time, 10 min
     .venv/bin/python benchmarks/scale.py --quick     # 16 ranks, 120 steps, 30x: a smoke run
 
 What runs: a real Kafka broker (its own, unless TRAINMON_KAFKA_BOOTSTRAP is set), the
@@ -10,8 +12,9 @@ alerts service (``trainmon consume alerts``), each its own process, and ``--proc
 sender processes, each logging for its share of the ranks through one trainmon Producer
 (``send_record``: every record carries its own rank's envelope, host = node of 8 GPUs).
 
-The simulated job, per rank: a step record at 1 Hz, a GPU record every 5 steps (0.2 Hz),
-an allocator record every 10 (0.1 Hz), staggered over the ranks; a run start when its
+The simulated job, per rank: a step record every ``--step-s`` (1 s; 4 s with --llama3), a
+GPU record every ``--gpu-every-s`` (5 s; 10 s), an allocator record every
+``--allocator-every-s`` (10 s; 30 s), staggered over the ranks; a run start when its
 sender process starts (before the simulated clock does, as a job logs its start before
 loading the model: the producers are connected by step 0) and a run end. Jitter: each rank logs its step 0-50 ms after the step's end plus its node's own
 0-20 ms; its step time (``duration_ms``, the rank's own compute, ~800 ms of each 1 s step)
@@ -31,7 +34,11 @@ Injected incidents (nothing else may fire):
   end) while the others go on: ``rank_mismatch`` must fire naming it;
 - straggler: one rank's step time 20 % longer from 55 % of the steps on (``--stragglers``
   spreads more over 55-85 %): ``straggler`` must fire naming it. The rule's default factor
-  is 1.3 (30 % slower); the run sets TRAINMON_ALERT_STRAGGLER_FACTOR=1.15 to see 20 %.
+  is 1.3 (30 % slower); the run sets TRAINMON_ALERT_STRAGGLER_FACTOR=1.15 to see 20 %;
+- NaN: one rank logs a NaN loss at 40 % of the steps: ``non_finite`` must fire naming it;
+- heat: one rank's GPU is in thermal slowdown from 70 % of the steps on (throttle reason
+  ``sw_thermal``, clocks held at 1,410 of 1,980 MHz, 86 C: under its 87 C slowdown limit,
+  as a software thermal slowdown starts below it): ``gpu_throttle`` must fire naming it.
 
 Figures:
 - ingest lag: a step row's ``_inserted_at`` (ClickHouse's clock at the insert) minus the
@@ -75,12 +82,11 @@ from _common import broker_bootstrap, percentile  # noqa: E402
 
 from trainmon import topics  # noqa: E402
 
-STEP_S = 1.0  # simulated seconds per step
-COMPUTE_S = 0.8  # a rank's own step time (duration_ms) of each step, before jitter
+COMPUTE_SHARE = 0.8  # a rank's own step time (duration_ms), of each step's, before jitter
 LOG_JITTER_S = 0.05  # a rank logs its step 0-50 ms after the step ends ...
 NODE_SKEW_S = 0.02  # ... plus its node's own 0-20 ms
 GPUS_PER_NODE = 8
-GPU_EVERY, ALLOCATOR_EVERY = 5, 10  # steps: 0.2 Hz and 0.1 Hz at 1 Hz
+HOT_CLOCK_MHZ, HOT_TEMP_C = 1410, 86  # a GPU in thermal slowdown: clocks held down, below the 87 C limit
 HICCUP_P = 0.001  # one rank-step in 1,000 is a single slow step (1.3-2.5x)
 MESSAGE_LIMIT = 300  # characters: an alert about 1,024 ranks a person still reads
 TARGET_S = 2.0
@@ -92,6 +98,9 @@ class Scenario:
     ranks: int = 1024
     steps: int = 1000
     speedup: float = 8.0
+    step_s: float = 1.0  # simulated seconds per step
+    gpu_every_s: float = 5.0  # a GPU record per rank every so many simulated seconds
+    allocator_every_s: float = 10.0
     processes: int = 4
     stragglers: int = 1
     slow: float = 1.2  # the straggler's step time factor
@@ -102,19 +111,32 @@ class Scenario:
     stop_step: int = -1  # the silent rank's first step not logged
     straggler_ranks: list[int] = field(default_factory=list)
     straggler_onsets: list[int] = field(default_factory=list)
+    nan_rank: int = -1  # logs a NaN loss at nan_step
+    nan_step: int = -1
+    hot_rank: int = -1  # its GPU in thermal slowdown from hot_step on
+    hot_step: int = -1
 
     def __post_init__(self) -> None:
         if self.ranks < 4 or self.processes < 1 or self.stragglers < 1:
             raise ValueError("needs at least 4 ranks, 1 process and 1 straggler")
         self.processes = min(self.processes, self.ranks)
         rng = random.Random(self.seed)
-        chosen = rng.sample(range(self.ranks), 1 + self.stragglers)
+        chosen = rng.sample(range(self.ranks), 3 + self.stragglers)
         if self.stop_rank < 0:
             self.stop_rank = chosen[0]
+        others = [r for r in chosen if r != self.stop_rank]
         if not self.straggler_ranks:
-            self.straggler_ranks = [r for r in chosen if r != self.stop_rank][:self.stragglers]
+            self.straggler_ranks = others[:self.stragglers]
+        if self.nan_rank < 0:
+            self.nan_rank = others[self.stragglers]
+        if self.hot_rank < 0:
+            self.hot_rank = others[self.stragglers + 1]
         if self.stop_step < 0:
             self.stop_step = int(0.3 * self.steps)
+        if self.nan_step < 0:
+            self.nan_step = int(0.4 * self.steps)
+        if self.hot_step < 0:
+            self.hot_step = int(0.7 * self.steps)
         if not self.straggler_onsets:
             n = self.stragglers
             self.straggler_onsets = [int(self.steps * (0.55 + (0.3 * i / (n - 1) if n > 1 else 0)))
@@ -123,6 +145,12 @@ class Scenario:
     def ranks_of(self, index: int) -> list[int]:
         """A contiguous share of the ranks (whole nodes where the counts allow)."""
         return list(range(self.ranks * index // self.processes, self.ranks * (index + 1) // self.processes))
+
+    def due(self, every_s: float, rank: int, step: int) -> bool:
+        """Whether a rank's sample every ``every_s`` falls in this step (staggered over the
+        ranks, so they do not all sample at once)."""
+        start = step * self.step_s + (rank * 0.6180339887) % 1.0 * every_s
+        return (start + self.step_s) // every_s > start // every_s
 
     def slow_from(self, rank: int) -> int | None:
         for r, onset in zip(self.straggler_ranks, self.straggler_onsets):
@@ -133,6 +161,13 @@ class Scenario:
 
 def quick() -> Scenario:
     return Scenario(ranks=16, steps=120, speedup=30.0, processes=2)
+
+
+def llama3() -> Scenario:
+    """Issue #30's run: 16,384 ranks (Llama 3 405B's GPUs), a step every 4 s, GPU samples
+    every 10 s and allocator every 30 s, on real time, 150 steps (10 minutes)."""
+    return Scenario(ranks=16384, steps=150, speedup=1.0, step_s=4.0, gpu_every_s=10.0,
+                    allocator_every_s=30.0, processes=4)
 
 
 # -- the simulated job: one process per share of the ranks ------------------------------------
@@ -174,6 +209,7 @@ def sender(scn: Scenario, prefix: str, bootstrap: str, spill_dir: str, index: in
     gpu_temp = {r: rng.uniform(55, 68) for r in ranks}
     energy = {r: rng.randrange(10**9, 2 * 10**9) for r in ranks}
     counts = {"run": 0, "step": 0, "gpu": 0, "allocator": 0}
+    marks: dict[str, list[float]] = {"nan": [], "hot": []}  # record times of the NaN, the hot GPU's samples
     first = [math.inf] * scn.steps  # earliest / latest record time of each step here
     last = [-math.inf] * scn.steps
     late: list[float] = []  # wall seconds a log call came after its planned moment
@@ -213,12 +249,12 @@ def sender(scn: Scenario, prefix: str, bootstrap: str, spill_dir: str, index: in
 
     for step in range(scn.steps):
         mood, loss_shift, norm = step_mood(scn.seed, step)
-        end = t0 + (step + 1) * STEP_S
+        end = t0 + (step + 1) * scn.step_s
         plan = sorted((end + skew[host[r]] + rng.uniform(0, LOG_JITTER_S), r) for r in ranks
                       if not (r == scn.stop_rank and step >= scn.stop_step))
         lr = lr_at(step, scn.steps)
         for due, r in plan:
-            compute = COMPUTE_S * gpu_speed[r] * mood * rng.gauss(1.0, 0.02)
+            compute = COMPUTE_SHARE * scn.step_s * gpu_speed[r] * mood * rng.gauss(1.0, 0.02)
             if rng.random() < HICCUP_P:
                 compute *= rng.uniform(1.3, 2.5)
             onset = scn.slow_from(r)
@@ -229,26 +265,34 @@ def sender(scn: Scenario, prefix: str, bootstrap: str, spill_dir: str, index: in
             first[step] = min(first[step], now)
             last[step] = max(last[step], now)
             ms = 1000.0 * compute
+            loss = 2.0 + 1.5 * math.exp(-step / 600) + loss_shift + rng.gauss(0, 0.02)
+            if r == scn.nan_rank and step == scn.nan_step:
+                loss = math.nan
+                marks["nan"].append(now)
             producer.send_record(StepRecord(
                 **ident(r, "step", step), time=t, step=step, epoch=step / 500, step_tokens=8192,
-                duration_ms=ms, loss=2.0 + 1.5 * math.exp(-step / 600) + loss_shift + rng.gauss(0, 0.02),
+                duration_ms=ms, loss=loss,
                 norm=norm, lr=lr, total_steps=scn.steps, loss_scale=1.0,
                 consumed_samples=(step + 1) * 2 * scn.ranks, global_batch_size=2 * scn.ranks,
-                tflops_per_gpu=400.0 * 800.0 / ms, timers={"forward-backward": 0.9 * ms, "optimizer": 0.1 * ms}))
+                tflops_per_gpu=400.0 * 800.0 * scn.step_s / ms, timers={"forward-backward": 0.9 * ms, "optimizer": 0.1 * ms}))
             counts["step"] += 1
-            if (step + r) % GPU_EVERY == 0:
-                temp = gpu_temp[r] + 4 * min(1.0, step / 200) + rng.gauss(0, 0.7)
+            if scn.due(scn.gpu_every_s, r, step):
+                temp = int(round(gpu_temp[r] + 4 * min(1.0, step / 200) + rng.gauss(0, 0.7)))
+                clock, throttle = int(rng.uniform(1830, 1980)), ""
+                if r == scn.hot_rank and step >= scn.hot_step:
+                    temp, clock, throttle = HOT_TEMP_C, HOT_CLOCK_MHZ, "sw_thermal"
+                    marks["hot"].append(now)
                 power = int(rng.uniform(560_000, 690_000))
-                energy[r] += power * GPU_EVERY
+                energy[r] += int(power * scn.gpu_every_s)
                 producer.send_record(GpuRecord(
-                    **ident(r, "gpu", step), time=t, step=step, id=r % GPUS_PER_NODE,
-                    clock=int(rng.uniform(1830, 1980)), max_clock=1980, power=power, power_limit=700_000,
-                    temperature=int(round(temp)), temp_slowdown=87, gpu_util=int(rng.uniform(94, 100)),
+                    **ident(r, "gpu", step), time=t, step=step, id=r % GPUS_PER_NODE, throttle=throttle,
+                    clock=clock, max_clock=1980, power=power, power_limit=700_000,
+                    temperature=temp, temp_slowdown=87, gpu_util=int(rng.uniform(94, 100)),
                     mem_util=int(rng.uniform(35, 70)), dram_free=int(rng.uniform(6, 14) * 2**30),
                     pcie_rx=int(rng.uniform(1e8, 3e9)), pcie_tx=int(rng.uniform(1e8, 3e9)), fan=0,
                     energy=energy[r]))
                 counts["gpu"] += 1
-            if (step + r) % ALLOCATOR_EVERY == 0:
+            if scn.due(scn.allocator_every_s, r, step):
                 act = int(rng.uniform(52, 58) * 2**30)
                 producer.send_record(AllocatorRecord(
                     **ident(r, "allocator", step), time=t, step=step,
@@ -259,7 +303,7 @@ def sender(scn: Scenario, prefix: str, bootstrap: str, spill_dir: str, index: in
                     allocated=act, peak_allocated=act + 2**30, active=act, inactive=int(0.3 * 2**30),
                     reserved=act + 2**31, peak_reserved=act + 2**31 + 2**29, alloc_retries=0))
                 counts["allocator"] += 1
-    end = t0 + (scn.steps + 1) * STEP_S
+    end = t0 + (scn.steps + 1) * scn.step_s
     for r in ranks:
         if r == scn.stop_rank:
             continue
@@ -270,6 +314,7 @@ def sender(scn: Scenario, prefix: str, bootstrap: str, spill_dir: str, index: in
     ok = producer.close(timeout=120)
     late.sort()
     conn.send({"counts": counts, "first": first, "last": last, "ok": ok, "spilled": producer.spilled,
+               "marks": marks,
                "cpu_s": sum(os.times()[:2]) - cpu0,
                "dropped": producer.dropped, "rejected": dict(producer.rejected),
                "late_p99": percentile(late, 99), "late_max": late[-1] if late else 0.0})
@@ -483,7 +528,10 @@ def run(scn: Scenario, bootstrap: str, work: Path, progress=print) -> Result:
     prefix = f"scale{uuid.uuid4().hex[:8]}."
     cfg = load_config(env=alerts_env(scn, bootstrap, prefix, work))
     grace, fire_after = cfg.rules.rank_mismatch.grace_s, cfg.rules.straggler.fire_after
-    if scn.stop_step + grace / STEP_S + 5 > scn.steps or max(scn.straggler_onsets) + fire_after + 2 > scn.steps:
+    throttle_after = cfg.rules.gpu_throttle.fire_after
+    gpu_steps = math.ceil(scn.gpu_every_s / scn.step_s)
+    if (scn.stop_step + grace / scn.step_s + 5 > scn.steps or max(scn.straggler_onsets) + fire_after + 2 > scn.steps
+            or scn.hot_step + (throttle_after + 1) * gpu_steps > scn.steps or scn.nan_step + 2 > scn.steps):
         raise ValueError(f"{scn.steps} steps leave no room to see the injected incidents")
     create_topics(topics.all_topics(prefix), bootstrap=bootstrap)
     ch, endpoint = start_clickhouse(work, bootstrap, prefix)
@@ -516,10 +564,10 @@ def run(scn: Scenario, bootstrap: str, work: Path, progress=print) -> Result:
         for c in conns:
             c.send(t0)
         progress(f"  {scn.ranks} ranks x {scn.steps} steps at {scn.speedup:g}x from {scn.processes} "
-                 f"processes: about {scn.steps * STEP_S / scn.speedup:.0f} s of sending")
+                 f"processes: about {scn.steps * scn.step_s / scn.speedup:.0f} s of sending")
         results = []
         for c in conns:
-            if not c.poll(scn.steps * STEP_S / scn.speedup + 300):
+            if not c.poll(scn.steps * scn.step_s / scn.speedup + 300):
                 raise TimeoutError("a sender process did not finish")
             results.append(c.recv())
         sent_wall = time.time() - t0
@@ -582,6 +630,11 @@ def run(scn: Scenario, bootstrap: str, work: Path, progress=print) -> Result:
     for rank, onset in zip(scn.straggler_ranks, scn.straggler_onsets):
         incidents.append(Incident("straggler", rank, start_sim=lasts[onset],
                                   detectable_sim=lasts[onset + fire_after - 1]))
+    (nan_at,) = [t for r in results for t in r["marks"]["nan"]]
+    incidents.append(Incident("non_finite", scn.nan_rank, start_sim=nan_at, detectable_sim=nan_at))
+    hot = sorted(t for r in results for t in r["marks"]["hot"])
+    incidents.append(Incident("gpu_throttle", scn.hot_rank, start_sim=hot[0],
+                              detectable_sim=hot[throttle_after - 1]))
     events = sorted(((a, published) for a, published in watcher.alerts if a.run_id == scn.run_id),
                     key=lambda x: x[1])
     extra = []
@@ -598,6 +651,7 @@ def run(scn: Scenario, bootstrap: str, work: Path, progress=print) -> Result:
     return Result(scn=scn, t0=t0, wall_s=sent_wall, counts=counts, senders=results, incidents=incidents,
                   extra=extra, alerts=[a for a, _ in events], lag=lag, rows=rows, parts=parts, engine=engine,
                   settings={"grace_s": grace, "fire_after": fire_after, "factor": cfg.rules.straggler.factor,
+                            "throttle_after": throttle_after,
                             "slack_s": cfg.wall_clock_slack_s})
 
 
@@ -614,8 +668,11 @@ def report(res: Result) -> list[tuple[str, bool]]:
     scn, s = res.scn, res.settings
     total = sum(res.counts.values())
     print(f"simulated run {scn.run_id}: {scn.ranks:,} ranks, {scn.steps:,} steps, {scn.processes} sender processes")
-    print(f"  time compressed {scn.speedup:g}x: 1 simulated s = {1000 / scn.speedup:.0f} ms of wall time; record "
-          f"times are on the simulated clock, so every rule runs on record time with its defaults "
+    print(f"  a step every {scn.step_s:g} s, a GPU sample every {scn.gpu_every_s:g} s and an allocator one every "
+          f"{scn.allocator_every_s:g} s per rank, "
+          + ("on real time (no compression)" if scn.speedup == 1 else
+             f"time compressed {scn.speedup:g}x: 1 simulated s = {1000 / scn.speedup:.0f} ms of wall time")
+          + f"; record times are on the simulated clock, so every rule runs on record time with its defaults "
           f"(rank_mismatch grace {s['grace_s']:g} s, straggler fire_after {s['fire_after']} steps) except "
           f"straggler factor {s['factor']:g} (default 1.3 does not see a {100 * (scn.slow - 1):.0f} % straggler)")
     if s["slack_s"] != 5.0:
@@ -643,17 +700,20 @@ def report(res: Result) -> list[tuple[str, bool]]:
     print("alert latency (publication on the alert topic - wall moment the rule's evidence was complete):")
     latencies = []
     for inc in res.incidents:
-        what = (f"rank {inc.rank} silent from step {scn.stop_step}" if inc.rule == "rank_mismatch" else
-                f"rank {inc.rank} {scn.slow:g}x slower from step {scn.slow_from(inc.rank)}")
+        what = {"rank_mismatch": f"rank {inc.rank} silent from step {scn.stop_step}",
+                "straggler": f"rank {inc.rank} {scn.slow:g}x slower from step {scn.slow_from(inc.rank)}",
+                "non_finite": f"rank {inc.rank} NaN loss at step {scn.nan_step}",
+                "gpu_throttle": f"rank {inc.rank} GPU in thermal slowdown from step {scn.hot_step}"}[inc.rule]
+        why = {"rank_mismatch": f"grace {s['grace_s']:g} s", "straggler": f"{s['fire_after']} slow steps in a row",
+               "non_finite": "the record itself",
+               "gpu_throttle": f"{s['throttle_after']} throttled sample(s), one every {scn.gpu_every_s:g} s"}[inc.rule]
         if inc.alert is None:
             print(f"  {inc.rule:<14} {what}: NO ALERT")
             continue
         latencies.append(inc.latency)
         since_start = (inc.published - res.wall(inc.start_sim)) * scn.speedup
         print(f"  {inc.rule:<14} {what}: {1000 * inc.latency:.0f} ms (fired at step {inc.alert.step}, "
-              f"{since_start:.1f} simulated s after the incident began: "
-              + (f"grace {s['grace_s']:g} s" if inc.rule == "rank_mismatch" else f"{s['fire_after']} slow steps in a row")
-              + ")")
+              f"{since_start:.1f} simulated s after the incident began: {why})")
     latencies.sort()
     per_record = e["cpu_s"] / max(1, e["records"])
     print(f"alerts service process ({e['records']:,} records of {', '.join(ALERT_KINDS)}): "
@@ -700,14 +760,23 @@ def main() -> int:
     parser.add_argument("--processes", type=int, default=4, help="sender processes")
     parser.add_argument("--stragglers", type=int, default=1)
     parser.add_argument("--seed", type=int, default=14)
+    parser.add_argument("--step-s", type=float, default=1.0, help="simulated seconds per step")
+    parser.add_argument("--gpu-every-s", type=float, default=5.0)
+    parser.add_argument("--allocator-every-s", type=float, default=10.0)
     parser.add_argument("--quick", action="store_true", help="16 ranks, 120 steps, 30x, 2 processes")
+    parser.add_argument("--llama3", action="store_true",
+                        help="issue #30's run: 16,384 ranks, 150 steps of 4 s on real time (10 min), GPU every "
+                             "10 s, allocator every 30 s, 4 processes")
     parser.add_argument("--keep", metavar="DIR", help="keep the services' data and logs in DIR")
     args = parser.parse_args()
     if args.quick:
         scn = quick()
+    elif args.llama3:
+        scn = llama3()
     else:
         scn = Scenario(ranks=args.ranks, steps=args.steps, speedup=args.speedup, processes=args.processes,
-                       stragglers=args.stragglers, seed=args.seed)
+                       stragglers=args.stragglers, seed=args.seed, step_s=args.step_s,
+                       gpu_every_s=args.gpu_every_s, allocator_every_s=args.allocator_every_s)
     with broker_bootstrap() as bootstrap, tempfile.TemporaryDirectory(prefix="trainmon-scale-") as tmp:
         result = run(scn, bootstrap, Path(args.keep) if args.keep else Path(tmp))
         targets = report(result)

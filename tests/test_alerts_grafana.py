@@ -197,7 +197,7 @@ def test_cli_runs_the_engine_and_the_grafana_forwarder(bootstrap, topic_prefix, 
     done = subprocess.run([sys.executable, "-m", "trainmon", "consume", "alerts", "--exit-when-idle", "3"],
                           env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr
-    assert list((tmp_path / "state").glob("*.json")), "no checkpoint written"
+    assert list((tmp_path / "state").glob("*.json.gz")), "no checkpoint written"
     assert len(grafana.annotations) == 1, done.stderr[-3000:]
     (annotation,) = grafana.annotations.values()
     assert "rule:non_finite" in annotation["tags"] and "run_id:cli" in annotation["tags"]

@@ -91,7 +91,7 @@ def test_the_codec_round_trips_by_field_and_sizes_windows_from_the_settings():
     assert back.scratch == 0
     smaller = codec.load(Sample, saved, SampleConfig(window=2))  # a setting changed across a restart
     assert list(smaller.window.values) == [4.0, 5.0]
-    assert codec.load(Sample, {}, SampleConfig()).window.values.maxlen == 4  # a field it lacks
+    assert codec.load(Sample, {}, SampleConfig()).window.size == 4  # a field it lacks
 
 
 def checkpointed(records, cut: int) -> list:

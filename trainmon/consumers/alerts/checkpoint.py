@@ -1,6 +1,13 @@
-"""The engine's state on disk: one JSON file, replaced atomically, with the input offsets
-it corresponds to, the partition each of its runs is read from, and how far into the alert
-topic its incident book is.
+"""The engine's state on disk: one gzipped JSON file, replaced atomically, with the input
+offsets it corresponds to, the partition each of its runs is read from, and how far into the
+alert topic its incident book is.
+
+At 16,384 ranks the state is some 100 MB of JSON and takes seconds to write out. The
+service therefore writes it from a forked child (``Writer``), as Redis writes its
+snapshots: the child holds a copy-on-write image of the engine as it was at the fork,
+consistent with the offsets taken at that moment, while the engine goes on judging. The
+JSON is gzipped (zlib, in the standard library): its windows of numbers shrink about 3x,
+and ``zcat`` still reads it.
 
 A checkpoint is a consistent snapshot of the runs of the partitions in its offsets, so
 whoever loads it uses it only for the partitions it is assigned: the service drops the
@@ -12,18 +19,24 @@ keep overwriting each other's, which would cost warm windows, not correctness.
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import os
+import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from ...filenames import safe_name
+from ...process_lifetime import end_with_parent
 
 log = logging.getLogger("trainmon.alerts")
 VERSION = 2  # 2: with the partition of each run (version 1 came from rank-keyed records)
+SUFFIX = ".json.gz"  # (an older engine's plain .json is not read: the state is rebuilt)
 
 
 @dataclass
@@ -41,7 +54,7 @@ def checkpoint_path(state_dir: Path, group_id: str, topic_prefix: str, member: s
     name = f"{group_id}@{topic_prefix}" + (f"@{member}" if member else "")
     # (Spelled by filenames.safe_name since the state's version 3: an older checkpoint,
     # under its old name, is rebuilt from the topics as a version 2 one would be.)
-    return Path(state_dir) / f"{safe_name(name)}.json"
+    return Path(state_dir) / f"{safe_name(name)}{SUFFIX}"
 
 
 def save(path: Path, checkpoint: Checkpoint) -> None:
@@ -51,8 +64,9 @@ def save(path: Path, checkpoint: Checkpoint) -> None:
     data = {"version": VERSION, "saved_at": checkpoint.saved_at, "offsets": checkpoint.offsets,
             "alert_offsets": {str(p): o for p, o in checkpoint.alert_offsets.items()},
             "run_partitions": checkpoint.run_partitions, "engine": checkpoint.engine}
-    with open(tmp, "w") as f:
-        json.dump(data, f, separators=(",", ":"))
+    with open(tmp, "wb") as f:
+        # (mtime 0: the same state writes the same bytes)
+        f.write(gzip.compress(json.dumps(data, separators=(",", ":")).encode(), compresslevel=6, mtime=0))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -61,10 +75,10 @@ def save(path: Path, checkpoint: Checkpoint) -> None:
 def load(path: Path) -> Checkpoint | None:
     """The checkpoint, or None (with a warning saying why) when there is none to trust."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(gzip.decompress(path.read_bytes()))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, EOFError) as exc:  # (gzip.BadGzipFile is an OSError)
         log.warning("trainmon alerts: ignoring unreadable checkpoint %s (%s); rebuilding from the topics",
                     path, exc)
         return None
@@ -75,3 +89,73 @@ def load(path: Path) -> Checkpoint | None:
     return Checkpoint(engine=data["engine"], offsets=data["offsets"],
                       alert_offsets={int(p): o for p, o in data["alert_offsets"].items()},
                       run_partitions=data["run_partitions"], saved_at=data["saved_at"])
+
+
+class Writer:
+    """Writes checkpoints without stopping the engine: ``write`` forks, the child builds
+    the checkpoint from its copy of the state, saves it and exits; the parent goes on at
+    once. One write at a time: ``busy`` says whether the last is still going (and reports a
+    failed one). The child dies with its parent (``PR_SET_PDEATHSIG``), so a stopped or
+    killed engine leaves no writer behind to replace a newer checkpoint with an older one.
+    Off Linux (no fork) or with ``background=False`` the write happens in the caller."""
+
+    def __init__(self, background: bool = True):
+        self.background = background and hasattr(os, "fork")
+        self.pid: int | None = None
+        self.written = 0  # checkpoints saved (counted when the child is seen to succeed)
+        self.failed = 0
+        self.last_s = 0.0  # how long the last write took, fork to exit
+        self._started = 0.0
+
+    def busy(self) -> bool:
+        if self.pid is None:
+            return False
+        pid, status = os.waitpid(self.pid, os.WNOHANG)
+        if pid == 0:
+            return True
+        self._reaped(status)
+        return False
+
+    def wait(self) -> None:
+        """Until the write in progress (if any) is done."""
+        if self.pid is not None:
+            _, status = os.waitpid(self.pid, 0)
+            self._reaped(status)
+
+    def write(self, path: Path, make: Callable[[], Checkpoint]) -> None:
+        """Save ``make()`` to ``path``; ``make`` runs in the child (where the state is the
+        fork's snapshot), so it may take seconds."""
+        self.wait()
+        self._started = time.monotonic()
+        if not self.background:
+            save(path, make())
+            self.written += 1
+            self.last_s = time.monotonic() - self._started
+            return
+        arm = end_with_parent(signal.SIGKILL)
+        pid = os.fork()
+        if pid == 0:  # the child: no logging (its locks may be held by a thread that is gone)
+            code = 1
+            try:
+                if arm is not None:
+                    arm()
+                save(path, make())
+                code = 0
+            except BaseException as exc:
+                try:
+                    sys.stderr.write(f"trainmon alerts: checkpoint {path} not written: {exc!r}\n")
+                except BaseException:
+                    pass
+            finally:
+                os._exit(code)
+        self.pid = pid
+
+    def _reaped(self, status: int) -> None:
+        code, self.pid = os.waitstatus_to_exitcode(status), None
+        self.last_s = time.monotonic() - self._started
+        if code == 0:
+            self.written += 1
+        else:
+            self.failed += 1
+            log.warning("trainmon alerts: the checkpoint writer exited with %s; the next one is "
+                        "due in an interval", code)

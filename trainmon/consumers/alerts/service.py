@@ -42,6 +42,7 @@ from .engine import INPUT_KINDS, AlertEngine
 from .ownership import Ownership
 
 log = logging.getLogger("trainmon.alerts")
+CHECKPOINT_COST_FACTOR = 10  # checkpoints at least this many times their write apart
 
 
 class AlertService(runtime.Sink):
@@ -72,6 +73,7 @@ class AlertService(runtime.Sink):
         self._unpublished: list[AlertRecord] = []
         self._put_since_flush = False
         self._checkpoint_at = 0.0
+        self._writer = checkpoint.Writer()
 
     @property
     def group(self) -> str:
@@ -186,7 +188,7 @@ class AlertService(runtime.Sink):
                 self._fired.labels(alert.rule, alert.state).inc()
             self._unpublished = []
         self._put_since_flush = False
-        if time.monotonic() >= self._checkpoint_at:
+        if time.monotonic() >= self._checkpoint_at and not self._writer.busy():
             self._checkpoint()
 
     def stop(self) -> None:
@@ -194,8 +196,9 @@ class AlertService(runtime.Sink):
             log.warning("trainmon alerts: stopping with %d alert(s) not published; no checkpoint, "
                         "the records behind them are judged again at the next start",
                         len(self._unpublished))
+            self._writer.wait()
             return
-        self._checkpoint()
+        self._checkpoint(background=False)
 
     def _say_uneven_partitions(self, consumer, topic_names: list[str]) -> None:
         """Records of one run reach one engine only while every record topic has the same
@@ -236,17 +239,32 @@ class AlertService(runtime.Sink):
                 return False  # a topic whose partitions the group has not handed out yet
         return self.context.read_to_end()
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, background: bool = True) -> None:
+        """The state as of now, written by a forked child (checkpoint.Writer) unless
+        ``background`` is False (at stop: the last one is complete before it returns)."""
         # The book first catches up with the alert topic, so the alert offsets saved are
         # exactly what it holds: a restart reads on from there and misses nothing another
         # engine published meanwhile.
         self._read_alerts()
         engine = self.engine
         self.ownership.prune(set(engine.runs) | set(engine.book.by_run) | set(engine.ended_runs))
-        checkpoint.save(self.path, checkpoint.Checkpoint(
-            engine=engine.dump(), offsets=self.ownership.checkpoint_offsets(),
-            alert_offsets=self._alerts_read, run_partitions=self.ownership.run_partition))
-        self._checkpoint_at = time.monotonic() + self.config.checkpoint_interval_s
+        offsets, alert_offsets = self.ownership.checkpoint_offsets(), dict(self._alerts_read)
+        run_partitions = dict(self.ownership.run_partition)
+
+        def make() -> checkpoint.Checkpoint:  # (in the child: the state as of the fork)
+            return checkpoint.Checkpoint(engine=engine.dump(), offsets=offsets,
+                                         alert_offsets=alert_offsets, run_partitions=run_partitions)
+
+        if background:
+            self._writer.write(self.path, make)
+        else:
+            self._writer.wait()
+            checkpoint.save(self.path, make())
+        # A write that takes seconds (16,384 ranks: some 100 MB of JSON) is not repeated
+        # every interval: the writer's CPU stays under a tenth of a core. The price is a
+        # longer replay after a crash, of records already judged (warm-up).
+        self._checkpoint_at = time.monotonic() + max(self.config.checkpoint_interval_s,
+                                                     CHECKPOINT_COST_FACTOR * self._writer.last_s)
 
 
 def build_parser() -> argparse.ArgumentParser:

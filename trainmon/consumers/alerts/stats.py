@@ -1,53 +1,29 @@
-"""Rolling windows the rules compare a new value against (mean, median and MAD, max, two halves).
+"""Rolling windows the rules compare a new value against: a median (and MAD), and two
+halves of a long window.
 
-Each keeps its values in a bounded deque so its state is a plain list in a checkpoint.
+Their memory is what bounds the engine's: at 16,384 ranks it holds some ten windows per
+rank. Values sit in typed arrays (8 bytes each, no float object per value), and the long
+window of a trend (``TwoHalves``, 1,000 losses by default) keeps at most ``MAX_BLOCKS``
+block medians per half instead of every value, so a rank costs the same after a million
+steps as after a thousand. A window is a plain list (or dict of lists) in a checkpoint.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from collections import deque
-
-
-class RollingMean:
-    __slots__ = ("values", "total", "_pushes")
-
-    def __init__(self, size: int, values=()):
-        self.values: deque[float] = deque(maxlen=size)
-        self.total = 0.0
-        self._pushes = 0
-        for v in values:
-            self.push(v)
-
-    def __len__(self) -> int:
-        return len(self.values)
-
-    def push(self, value: float) -> None:
-        if len(self.values) == self.values.maxlen:
-            self.total -= self.values[0]
-        self.values.append(value)
-        self.total += value
-        self._pushes += 1
-        if self._pushes % 10_000 == 0:  # running sums drift; re-add now and then
-            self.total = sum(self.values)
-
-    @property
-    def mean(self) -> float:
-        return self.total / len(self.values) if self.values else 0.0
-
-    def dump(self) -> list[float]:
-        return list(self.values)
+from array import array
 
 
 class RollingMedian:
-    """Median of the last ``size`` values: a deque for order, a sorted list for rank."""
+    """Median of the last ``size`` values: the values in arrival order, and sorted."""
 
-    __slots__ = ("values", "_sorted")
+    __slots__ = ("size", "values", "_sorted")
 
     def __init__(self, size: int, values=()):
-        self.values: deque[float] = deque(maxlen=size)
-        self._sorted: list[float] = []
+        self.size = size
+        self.values = array("d")
+        self._sorted = array("d")
         for v in values:
             self.push(v)
 
@@ -55,31 +31,24 @@ class RollingMedian:
         return len(self.values)
 
     def push(self, value: float) -> None:
-        if len(self.values) == self.values.maxlen:
-            oldest = self.values[0]
-            del self._sorted[bisect.bisect_left(self._sorted, oldest)]
-        self.values.append(value)
+        values = self.values
+        if len(values) == self.size:
+            del self._sorted[bisect.bisect_left(self._sorted, values[0])]
+            del values[0]  # (a memmove of at most a few KB)
+        values.append(value)
         bisect.insort(self._sorted, value)
 
     @property
     def median(self) -> float:
-        s = self._sorted
-        n = len(s)
-        if not n:
-            return 0.0
-        mid = n // 2
-        return s[mid] if n % 2 else (s[mid - 1] + s[mid]) / 2.0
+        return _median(self._sorted)
 
     def mad(self) -> float:
         """Median absolute deviation from the median (0.0 for fewer than two values)."""
         s = self._sorted
         if len(s) < 2:
             return 0.0
-        med = self.median
-        deviations = sorted(abs(v - med) for v in s)
-        n = len(deviations)
-        mid = n // 2
-        return deviations[mid] if n % 2 else (deviations[mid - 1] + deviations[mid]) / 2.0
+        med = _median(s)
+        return _median(sorted(abs(v - med) for v in s))
 
     def robust_z(self, value: float) -> float:
         """Iglewicz and Hoaglin's modified z-score of ``value`` against the window:
@@ -92,48 +61,64 @@ class RollingMedian:
         return 0.0 if diff == 0 else math.copysign(math.inf, diff)
 
     def dump(self) -> list[float]:
-        return list(self.values)
+        return self.values.tolist()
 
 
-class RollingMax:
-    __slots__ = ("values",)
-
-    def __init__(self, size: int, values=()):
-        self.values: deque[float] = deque(values, maxlen=size)
-
-    def push(self, value: float) -> None:
-        self.values.append(value)
-
-    @property
-    def max(self) -> float:
-        return max(self.values) if self.values else 0.0
-
-    def dump(self) -> list[float]:
-        return list(self.values)
+def _median(s) -> float:
+    """The median of sorted values (0.0 for none)."""
+    n = len(s)
+    if not n:
+        return 0.0
+    mid = n // 2
+    return s[mid] if n % 2 else (s[mid - 1] + s[mid]) / 2.0
 
 
 class TwoHalves:
     """The last ``size`` values split into an older and a newer half with the median of
     each, so a trend (flat or rising) shows as newer median >= older median, and one
-    spike does not move it."""
+    spike does not move it.
 
-    __slots__ = ("half", "older", "newer")
+    A half of more than ``MAX_BLOCKS`` values is kept as the medians of blocks of
+    ``block`` consecutive values (the medians of the halves are then medians of block
+    medians): a window of 1,000 losses costs 100 numbers, not 1,000. The halves move on
+    by whole blocks; values of a block still filling wait in ``pending``. Up to
+    ``MAX_BLOCKS`` values a half, the block is one value and the medians are exact."""
+
+    MAX_BLOCKS = 50
+    __slots__ = ("half", "block", "older", "newer", "pending")
 
     def __init__(self, size: int, values=()):
         self.half = max(1, size // 2)
-        self.older = RollingMedian(self.half)
-        self.newer = RollingMedian(self.half)
+        self.block = -(-self.half // self.MAX_BLOCKS)  # ceil
+        blocks = self.half // self.block
+        self.older = RollingMedian(blocks)
+        self.newer = RollingMedian(blocks)
+        self.pending = array("d")
+        if isinstance(values, dict):  # a checkpoint's: block medians, as dumped
+            for v in values.get("older", ()):
+                self.older.push(v)
+            for v in values.get("newer", ()):
+                self.newer.push(v)
+            self.pending.extend(values.get("pending", ()))
+            return
         for v in values:
             self.push(v)
 
     @property
     def full(self) -> bool:
-        return len(self.older) == self.half
+        return len(self.older) == self.older.size
 
     def push(self, value: float) -> None:
-        if len(self.newer) == self.half:
-            self.older.push(self.newer.values[0])
-        self.newer.push(value)
+        if self.block > 1:
+            self.pending.append(value)
+            if len(self.pending) < self.block:
+                return
+            value = _median(sorted(self.pending))
+            del self.pending[:]
+        newer = self.newer
+        if len(newer) == newer.size:
+            self.older.push(newer.values[0])
+        newer.push(value)
 
     @property
     def older_median(self) -> float:
@@ -143,5 +128,7 @@ class TwoHalves:
     def newer_median(self) -> float:
         return self.newer.median
 
-    def dump(self) -> list[float]:
-        return [*self.older.values, *self.newer.values]
+    def dump(self) -> list[float] | dict[str, list[float]]:
+        if self.block == 1:  # the values themselves
+            return [*self.older.values, *self.newer.values]
+        return {"older": self.older.dump(), "newer": self.newer.dump(), "pending": self.pending.tolist()}

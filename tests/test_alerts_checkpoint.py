@@ -1,0 +1,64 @@
+"""The engine's checkpoint file and its background writer (a forked child), in memory."""
+
+import gzip
+import json
+import os
+
+import pytest
+
+from trainmon.consumers.alerts import checkpoint
+from .waiting import wait_until
+
+
+def test_a_checkpoint_is_gzipped_json_and_round_trips(tmp_path):
+    path = checkpoint.checkpoint_path(tmp_path, "alerts", "t.")
+    assert path.name.endswith(".json.gz")
+    saved = checkpoint.Checkpoint(engine={"runs": [1.5, 2]}, offsets={"t.step:0": 7},
+                                  alert_offsets={0: 3}, run_partitions={"r": 0})
+    checkpoint.save(path, saved)
+    assert json.loads(gzip.decompress(path.read_bytes()))["offsets"] == {"t.step:0": 7}  # zcat reads it
+    back = checkpoint.load(path)
+    assert (back.engine, back.offsets, back.alert_offsets, back.run_partitions) == \
+        (saved.engine, saved.offsets, saved.alert_offsets, saved.run_partitions)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the background writer forks")
+def test_the_writer_saves_the_state_as_of_the_fork_while_the_caller_goes_on(tmp_path):
+    path = tmp_path / "c.json.gz"
+    state = {"step": 1}
+    go_r, go_w = os.pipe()
+
+    def make():  # (runs in the child: waits until the parent has moved on)
+        os.read(go_r, 1)
+        return checkpoint.Checkpoint(engine=dict(state), offsets={}, alert_offsets={}, run_partitions={})
+
+    writer = checkpoint.Writer()
+    writer.write(path, make)  # returns while the child waits on the pipe
+    assert writer.busy() and not path.exists()
+    state["step"] = 2  # the engine goes on judging
+    os.write(go_w, b"x")
+    wait_until(lambda: not writer.busy(), 30, "the writer to finish")
+    assert checkpoint.load(path).engine == {"step": 1}
+    assert (writer.written, writer.failed) == (1, 0)
+    writer.write(path, make)  # the next one sees the state of its own moment
+    os.write(go_w, b"x")
+    writer.wait()
+    assert checkpoint.load(path).engine == {"step": 2}
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="the background writer forks")
+def test_a_failed_write_keeps_the_last_checkpoint_and_says_so(tmp_path, caplog):
+    path = tmp_path / "c.json.gz"
+    checkpoint.save(path, checkpoint.Checkpoint(engine={"old": True}, offsets={}, alert_offsets={},
+                                                run_partitions={}))
+
+    def make():
+        raise ValueError("a rule's state that cannot be saved")
+
+    writer = checkpoint.Writer()
+    writer.write(path, make)
+    writer.wait()
+    assert (writer.written, writer.failed) == (0, 1)
+    assert "checkpoint writer exited with 1" in caplog.text
+    assert checkpoint.load(path).engine == {"old": True}
+    assert [p.name for p in tmp_path.iterdir()] == ["c.json.gz"]  # no temporary file left
