@@ -141,3 +141,34 @@ def big_run() -> list[Record]:
                                        allocated=2**30, peak_allocated=2**30, active=2**30, inactive=0,
                                        reserved=2**31, alloc_retries=0))
     return out
+
+
+# A run of 16,384 ranks (Llama 3 405B's size), generated in SQL: 3 steps of every rank,
+# WIDE_SLOW_RANK 50 % slower, WIDE_STOPPED_RANK stopped after the first step, an alert
+# naming WIDE_ALERT_RANK and one naming every rank. For the template variables: how many
+# options they list for a run this wide.
+WIDE_RUN_ID = "dash-wide"
+WIDE_RANKS = 16_384
+WIDE_STEPS = 3
+WIDE_SLOW_RANK, WIDE_STOPPED_RANK, WIDE_ALERT_RANK = 9_001, 123, 16_000
+
+
+def wide_run_sql(db: str = "trainmon") -> list[str]:
+    t0 = T0.strftime("%Y-%m-%d %H:%M:%S")
+    envelope = (f"'{WIDE_RUN_ID}', number % {WIDE_RANKS} AS r, {WIDE_RANKS}, concat('node-', toString(intDiv(r, 8))), "
+                f"toDateTime64('{t0}', 6, 'UTC') + toIntervalSecond(intDiv(number, {WIDE_RANKS}) + 1)")
+
+    def alert(ranks: str, event_id: str) -> str:
+        return (f"INSERT INTO {db}.alert (run_id, rank, world_size, host, time, event_id, rule, severity, state, "
+                f"incident_id, ranks, step, message) SELECT {envelope}, '{event_id}', 'straggler', 'warning', "
+                f"'firing', '{event_id}', {ranks}, 1, 'slow' FROM numbers(1)")
+
+    return [
+        f"INSERT INTO {db}.step (run_id, rank, world_size, host, time, event_id, step, duration_ms, loss, "
+        f"tokens_per_second, step_tokens) SELECT {envelope}, concat('wide-', toString(number)), "
+        f"intDiv(number, {WIDE_RANKS}) AS s, if(r = {WIDE_SLOW_RANK}, 150, 100 + r % 7) AS ms, 3.0, "
+        f"4096 * 1000 / ms, 4096 FROM numbers({WIDE_RANKS * WIDE_STEPS}) "
+        f"WHERE NOT (r = {WIDE_STOPPED_RANK} AND s > 0)",
+        alert(f"[{WIDE_ALERT_RANK}]", "wide-alert-1"),
+        alert(f"range({WIDE_RANKS})", "wide-alert-all"),
+    ]

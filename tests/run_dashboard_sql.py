@@ -1,7 +1,9 @@
 """Runs SQL against a fresh chDB holding tests.dashboard_data, in its own process (chDB
 hosts one data directory per process). Usage:
 
-    python -m tests.run_dashboard_sql DATA_DIR < {"name": sql, ...} > {"name": result}
+    python -m tests.run_dashboard_sql DATA_DIR [--wide] < {"name": sql, ...} > {"name": result}
+
+--wide: the 16,384-rank run of tests.dashboard_data.wide_run_sql instead.
 
 Each result is {"columns": [...], "rows": [[...], ...]} or {"error": "..."}.
 """
@@ -11,15 +13,19 @@ from __future__ import annotations
 import json
 import sys
 
-from tests.dashboard_data import records
+from tests.dashboard_data import records, wide_run_sql
 from trainmon.consumers.clickhouse import Target, connect, create_all, insert_records
 
 
-def main(path: str) -> None:
+def main(path: str, wide: bool = False) -> None:
     queries = json.load(sys.stdin)
     client = connect(Target(path=path))
     create_all(client)
-    insert_records(client, records())
+    if wide:
+        for sql in wide_run_sql():
+            client.command(sql)
+    else:
+        insert_records(client, records())
     client.database = "trainmon"  # as Grafana's data source with defaultDatabase does
     results = {}
     for name, sql in queries.items():
@@ -34,4 +40,4 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], wide="--wide" in sys.argv[2:])

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.dashboard_data import BIG_RANKS, BIG_RUN_ID, RUN_ID, SLOW_RANK, T0
+from tests.dashboard_data import (BIG_RANKS, BIG_RUN_ID, RUN_ID, SLOW_RANK, T0, WIDE_ALERT_RANK, WIDE_RANKS,
+                                  WIDE_RUN_ID, WIDE_SLOW_RANK, WIDE_STOPPED_RANK)
 from trainmon.grafana_sql import ALL, TimeRange, dashboard_queries, expand, load_dashboards
 
 REPO = Path(__file__).resolve().parents[1]
@@ -123,6 +124,45 @@ def test_only_the_chosen_ranks_are_queried(results):
     assert [r[0] for r in every] == ["0", "1"]
     sql = all_queries()["trainmon / Ranks / Latest step per rank / A / ranks 0,1"]
     assert "rank IN (0,1)" in sql
+
+
+# A drop-down a person can scroll, or narrow by typing: a few hundred options at most.
+MOST_OPTIONS = 300
+
+
+def test_no_variable_lists_more_than_a_few_hundred_options_for_16384_ranks(tmp_path):
+    """Every query variable of every dashboard, run against a 16,384-rank run: at most
+    MOST_OPTIONS options. The rank variable lists the ranks that stand out, each saying why."""
+    queries = {f"{d['title']} / {v['name']}": expand(v["query"], TIME, {"run_id": WIDE_RUN_ID})
+               for d in DASHBOARDS for v in d["templating"]["list"] if v["type"] == "query"}
+    proc = subprocess.run([sys.executable, "-m", "tests.run_dashboard_sql", str(tmp_path / "data"), "--wide"],
+                          input=json.dumps(queries), capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads(proc.stdout)
+    assert {name: r["error"] for name, r in results.items() if "error" in r} == {}
+    assert {name: len(r["rows"]) for name, r in results.items() if len(r["rows"]) > MOST_OPTIONS} == {}
+    ranks = results["trainmon / Ranks / rank"]
+    assert ranks["rows"] == results["trainmon / GPU / rank"]["rows"]  # one variable, on every dashboard
+    labels = {int(value): text.strip("'") for value, text in ranks["rows"]}
+    assert 1 <= len(labels) < 50 and len(ranks["rows"]) == len(labels)
+    assert labels[WIDE_SLOW_RANK] == f"{WIDE_SLOW_RANK} (slowest)"
+    assert labels[WIDE_STOPPED_RANK] == f"{WIDE_STOPPED_RANK} (behind)"
+    assert labels[WIDE_ALERT_RANK].startswith(f"{WIDE_ALERT_RANK} (") and "alert" in labels[WIDE_ALERT_RANK]
+    assert max(labels) < WIDE_RANKS
+
+
+def test_small_runs_list_every_rank_and_all_means_every_rank(results):
+    for prefix, ranks in (("", 2), ("big: ", BIG_RANKS)):
+        rows = results[f"{prefix}trainmon / Ranks / variable rank / variable / all ranks"]["rows"]
+        assert rows == [[str(r), repr(str(r))] for r in range(ranks)]
+    for dashboard in DASHBOARDS:
+        for variable in dashboard["templating"]["list"]:
+            if variable["name"] == "rank":
+                # All is Grafana's "$__all" (no allValue): $__conditionalAll drops the filter,
+                # so the panels cover every rank, not only the listed ones.
+                assert variable["includeAll"] and variable["multi"] and variable["allowCustomValue"]
+                assert "allValue" not in variable and variable["current"]["value"] == ["$__all"]
+                assert variable["description"]
 
 
 def test_dashboards_are_what_the_build_script_writes():
