@@ -90,6 +90,7 @@ HOT_CLOCK_MHZ, HOT_TEMP_C = 1410, 86  # a GPU in thermal slowdown: clocks held d
 HICCUP_P = 0.001  # one rank-step in 1,000 is a single slow step (1.3-2.5x)
 MESSAGE_LIMIT = 300  # characters: an alert about 1,024 ranks a person still reads
 TARGET_S = 2.0
+ENGINE_RSS_TARGET, CHECKPOINT_TARGET = 2**30, 50e6  # issue #30, at 16,384 ranks
 ALERT_KINDS = ("run", "step", "gpu")  # of what is sent, the kinds the alerts service reads
 
 
@@ -573,6 +574,7 @@ def run(scn: Scenario, bootstrap: str, work: Path, progress=print) -> Result:
         sent_wall = time.time() - t0
         ch_cpu1 = proc_sample(ch.pid)[0]
         machine1 = machine_sample()
+        load = os.getloadavg()
         timeline.done.set()
         a_cpu_sent = proc_sample(alerts.pid)[0]
         for p in senders:
@@ -600,6 +602,7 @@ def run(scn: Scenario, bootstrap: str, work: Path, progress=print) -> Result:
                   "alerts_share_sent": (a_cpu_sent - cpu0) / max(1e-9, sent_wall),
                   "senders_share": sum(r["cpu_s"] for r in results) / max(1e-9, sent_wall),
                   "machine_busy": (machine1[0] - machine0[0]) / max(1e-9, machine1[1] - machine0[1]),
+                  "loadavg": load,
                   "cores": os.cpu_count()}
 
         # ClickHouse: every row in, then the figures.
@@ -693,7 +696,9 @@ def report(res: Result) -> list[tuple[str, bool]]:
           f"{e['senders_share']:.2f}, ClickHouse service {e['clickhouse_share']:.2f}, alerts service "
           f"{e['alerts_share_sent']:.2f}, everything else (the broker, other work on the machine) "
           f"{max(0.0, busy - ours):.2f}" + ("  <- saturated: the figures below are the machine's, not the pipeline's"
-                                           if e["machine_busy"] > 0.9 else ""))
+                                           if e["machine_busy"] > 0.9 else "")
+          + f"; load average at the end of sending {e['loadavg'][0]:.2f} / {e['loadavg'][1]:.2f} / "
+            f"{e['loadavg'][2]:.2f} (1 / 5 / 15 min)")
     p50, p99, worst = res.lag
     print(f"ingest lag (step row _inserted_at - wall time of its log call, {res.rows['step']:,} rows): "
           f"p50 {1000 * p50:.0f} ms, p99 {1000 * p99:.0f} ms, max {1000 * worst:.0f} ms")
@@ -734,6 +739,7 @@ def report(res: Result) -> list[tuple[str, bool]]:
         i.alert is None or f"rank {i.rank}" in i.alert.message for i in res.incidents)
     for a in res.extra:
         print(f"  EXTRA: {a.rule} ranks {a.ranks} step {a.step}: {a.message}")
+    growth, ckpt = e["rss_peak"] - e["rss_before"], e["checkpoint_bytes"]
     lag_ok = p99 <= TARGET_S
     worst_alert = latencies[-1] if latencies else math.inf
     got = sum(i.alert is not None for i in res.incidents)
@@ -745,6 +751,9 @@ def report(res: Result) -> list[tuple[str, bool]]:
          f"injected, {len(res.extra)} other", res.exact),
         (f"firing messages name their rank and stay under {MESSAGE_LIMIT} characters: longest "
          f"{max((len(a.message) for a in firing), default=0)}", readable),
+        (f"alerts engine RSS growth <= {ENGINE_RSS_TARGET / 2**30:g} GiB: {growth / 2**20:,.0f} MiB",
+         growth <= ENGINE_RSS_TARGET),
+        (f"alerts engine checkpoint <= {CHECKPOINT_TARGET / 1e6:g} MB: {ckpt / 1e6:,.1f} MB", ckpt <= CHECKPOINT_TARGET),
     ]
     print("targets:")
     for name, ok in targets:

@@ -188,7 +188,8 @@ class AlertService(runtime.Sink):
                 self._fired.labels(alert.rule, alert.state).inc()
             self._unpublished = []
         self._put_since_flush = False
-        if time.monotonic() >= self._checkpoint_at and not self._writer.busy():
+        # (busy() first: it also reaps a writer that has finished)
+        if not self._writer.busy() and time.monotonic() >= self._checkpoint_at:
             self._checkpoint()
 
     def stop(self) -> None:
