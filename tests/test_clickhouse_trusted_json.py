@@ -22,7 +22,7 @@ from trainmon.consumers.clickhouse.client import Target, connect
 from trainmon.consumers.clickhouse.columns import insert_batch, insert_json, json_body, json_ready
 from trainmon.consumers.clickhouse import create_all
 from trainmon.consumers.clickhouse.loader import stored_as_they_come
-from trainmon.consumers.stream import _lines_if_one_object_each
+from trainmon.consumers.stream import _lines_if_packed
 from trainmon.producer.deferred import DeferredRecord, checked_values, field_rules, passes_quick_check
 from trainmon.schemas import RECORD_TYPES, SCHEMA_HEADER, StepRecord, encode, pack, schema_fingerprint
 
@@ -106,11 +106,13 @@ def test_a_packed_message_goes_into_the_insert_body_as_its_records_would():
     """A Kafka message handed out whole: each of its lines gets the message's coordinates,
     as if its records had come one by one."""
     records = [encode(step(i)) for i in range(3)]
-    assert _lines_if_one_object_each(pack(records)) == 3
+    assert _lines_if_packed(pack(records)) == 3
     assert json_body(("t", 2, [7, 9]), [pack(records), records[0]]) == \
         json_body(("t", 2, [7, 7, 7, 9]), [*records, records[0]])
+    assert json_body(("t", 2, [7]), [records[0]]) == b'{"_topic":"t","_partition":2,"_offset":7,' + records[0][1:]
     for odd in (pack(records) + b"\n", records[0] + b"\n\n" + records[1], b" " + records[0], b""):
-        assert _lines_if_one_object_each(odd) == 0  # decoded record by record instead
+        # decoded record by record instead
+        assert _lines_if_packed(odd) == 0 or json_body(("t", 2, [7]), [odd]) is None
 
 
 def step(i: int, **fields) -> StepRecord:

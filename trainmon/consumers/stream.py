@@ -46,13 +46,12 @@ class Message:
     count: int = 1
 
 
-def _lines_if_one_object_each(value: bytes) -> int:
-    """How many lines a message value has when each starts a JSON object, none blank (as
-    ``schemas.pack`` writes them); else 0. (Compact JSON never holds a raw newline, so
-    each line is one record, and a line can be given its Kafka coordinates by what
-    starts it: see clickhouse.columns.json_body.)"""
-    newlines = value.count(b"\n")
-    return newlines + 1 if value[:1] == b"{" and value.count(b"\n{") == newlines else 0
+def _lines_if_packed(value: bytes) -> int:
+    """How many lines a message value has when it starts a JSON object, as ``schemas.pack``
+    writes them (one record per line); else 0. (Compact JSON never holds a raw newline, so
+    each line is one record, and a line can be given its Kafka coordinates by what starts
+    it: clickhouse.columns.json_body, which checks that every line starts an object.)"""
+    return value.count(b"\n") + 1 if value[:1] == b"{" else 0
 
 
 class RecordStream:
@@ -151,7 +150,7 @@ class RecordStream:
             topic, partition, offset, key, value = m.topic, m.partition, m.offset, m.key, m.value or b""
             kind = topics.kind_of(topic, self.prefix)
             if kind in self._undecoded and m.headers and self._trusted_header in m.headers:
-                count = _lines_if_one_object_each(value)
+                count = _lines_if_packed(value)
                 if count:
                     # Handed out whole: no Python work per record for a sink that stores
                     # the JSON as it came.

@@ -93,18 +93,26 @@ def json_ready(kind: str) -> bool:
     return all(c.extract in plain for c in _columns(kind))
 
 
-def json_body(kafka: tuple[str, int, Sequence[int]], values: Sequence[bytes]) -> bytes:
+def json_body(kafka: tuple[str, int, Sequence[int]], values: Sequence[bytes]) -> bytes | None:
     """The body of a :func:`insert_json`: records of a :func:`json_ready` kind in their
     JSON encoding, as they came from Kafka, each with its Kafka coordinates put in front
     (nothing else is built in Python). ``values[i]``, at offset ``offsets[i]``, holds one
     record per line, each line a JSON object (``{...}``): a Kafka message's value as
-    ``schemas.pack`` writes it, its records sharing its offset."""
+    ``schemas.pack`` writes it, its records sharing its offset. None when a line does not
+    start a JSON object (a blank one, say): those records are decoded one by one instead.
+
+    (A bytes method per message, a list of lines, one join: ~250 ns per record, where a
+    search-and-replace of each line's start took ~900 with its check.)"""
     topic, partition, offsets = kafka
-    head = b'{"_topic":%s,"_partition":%d,"_offset":' % (json.dumps(topic).encode(), partition)
+    fields = b'"_topic":%s,"_partition":%d,"_offset":' % (json.dumps(topic).encode(), partition)
     parts = []
     for offset, value in zip(offsets, values):
-        front = b"%s%d," % (head, offset)
-        parts.append(front + value[1:].replace(b"\n{", b"\n" + front))
+        lines = value.split(b"\n")
+        for line in lines:
+            if line[:1] != b"{":
+                return None
+        front = b"{%s%d," % (fields, offset)  # replaces each line's "{"
+        parts.append(front + (b"\n" + front).join([line[1:] for line in lines]))
     return b"\n".join(parts)
 
 

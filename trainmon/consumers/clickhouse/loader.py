@@ -84,17 +84,15 @@ class Batch:
     checked: bool = False
     lettered: set[int] = field(default_factory=set)  # ids of its messages dead-lettered so far
     # The insert body when its records are all as they came (see columns.json_body), built
-    # on the runtime's thread: the insert thread is the loader's bottleneck.
-    json: bytes | None = field(init=False, default=None)
+    # on the runtime's thread (ClickHouseSink._batches): the insert thread is the loader's
+    # bottleneck. None: its records are decoded.
+    json: bytes | None = None
     rows: int = field(init=False, default=0)
 
     def __post_init__(self):
         self.token = self.token or \
             f"{self.tp.topic}-{self.tp.partition}-{self.messages[0].offset}-{self.messages[-1].offset}"
         self.rows = sum(m.count for m in self.messages)
-        if all(m.record is None for m in self.messages):
-            self.json = json_body((self.tp.topic, self.tp.partition, [m.offset for m in self.messages]),
-                                  [m.value for m in self.messages])
 
     def narrow(self, messages: list[Message], why: str) -> None:
         """From now on these (decoded) records, under a token of their own: they are not
@@ -221,11 +219,13 @@ class ClickHouseSink(runtime.Sink):
         writer, an older trainmon) has the former decoded here, on the runtime's thread."""
         batches = []
         for tp, messages in taken.items():
-            undecoded = sum(m.record is None for m in messages)
-            if 0 < undecoded < len(messages):
+            undecoded, body = sum(m.record is None for m in messages), None
+            if undecoded == len(messages):
+                body = json_body((tp.topic, tp.partition, [m.offset for m in messages]), [m.value for m in messages])
+            if undecoded and body is None:  # a mix, or a line that starts no JSON object
                 messages = self.context.stream.decode(messages)
             if messages:
-                batches.append(Batch(tp, messages))
+                batches.append(Batch(tp, messages, json=body))
         return batches
 
     def _write_taken_back(self) -> None:
