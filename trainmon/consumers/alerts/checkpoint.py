@@ -133,7 +133,14 @@ class Writer:
             self.last_s = time.monotonic() - self._started
             return
         arm = end_with_parent(signal.SIGKILL)
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError as exc:  # (no memory or process slots for a child: write it here)
+            log.warning("trainmon alerts: cannot fork a checkpoint writer (%s); writing it in the service", exc)
+            save(path, make())
+            self.written += 1
+            self.last_s = time.monotonic() - self._started
+            return
         if pid == 0:  # the child: no logging (its locks may be held by a thread that is gone)
             code = 1
             try:
