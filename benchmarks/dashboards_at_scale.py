@@ -31,7 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from trainmon.consumers.clickhouse import Target, connect, create_all  # noqa: E402
+from trainmon.consumers.clickhouse import Target, connect, create_all, refresh_now  # noqa: E402
 from trainmon.grafana_sql import ALL, TimeRange, dashboard_queries, expand, load_dashboards  # noqa: E402
 
 BIG_RUN = "scale-1024"
@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             create_all(client)  # the tables and views of this version over the data kept
             print(f"reusing the run loaded in {args.data_dir} (started {start:%Y-%m-%d %H:%M})", flush=True)
+        refresh_now(client)  # (the goodput panel's table, else recomputed within a minute)
         client.database = "trainmon"  # as the data source's defaultDatabase does
         end = start + timedelta(seconds=args.steps + 60)
         ranges = {"whole run": TimeRange(start - timedelta(minutes=1), end,

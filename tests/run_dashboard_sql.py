@@ -14,7 +14,7 @@ import json
 import sys
 
 from tests.dashboard_data import records, wide_run_sql
-from trainmon.consumers.clickhouse import Target, connect, create_all, insert_records
+from trainmon.consumers.clickhouse import Target, connect, create_all, insert_records, refresh_now
 
 
 def main(path: str, wide: bool = False) -> None:
@@ -26,6 +26,7 @@ def main(path: str, wide: bool = False) -> None:
             client.command(sql)
     else:
         insert_records(client, records())
+    refresh_now(client)  # (the goodput panel's table, else recomputed within a minute)
     client.database = "trainmon"  # as Grafana's data source with defaultDatabase does
     results = {}
     for name, sql in queries.items():

@@ -53,7 +53,7 @@ def test_tables_have_a_column_per_field_and_a_field_per_column(chdb):
     rollups = {"step_stats", "rank_latest", "rank_10s"}
     assert views == {"step_across_ranks", "latest_step", "run_summary", "run_overview",
                      "checkpoint_saves", "log_event_totals", "job_runs", "goodput_pieces", "goodput",
-                     "goodput_daily"} | rollups \
+                     "goodput_daily", "goodput_daily_latest", "goodput_daily_latest_mv"} | rollups \
         | {f"{name}_mv" for name in rollups}
 
 

@@ -19,6 +19,6 @@ before connecting to another path in the same process.
 
 from .client import DEFAULT_DATABASE, Target, connect
 from .columns import insert_records
-from .schema_setup import create_all
+from .schema_setup import create_all, refresh_now
 
-__all__ = ["DEFAULT_DATABASE", "Target", "connect", "create_all", "insert_records"]
+__all__ = ["DEFAULT_DATABASE", "Target", "connect", "create_all", "insert_records", "refresh_now"]

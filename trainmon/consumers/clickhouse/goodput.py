@@ -275,9 +275,31 @@ FROM {{db}}.goodput_pieces
 GROUP BY job_id, day
 """
 
+# What the Grafana panel reads: goodput_daily, recomputed by ClickHouse every minute into a
+# table (a refreshable materialized view). The view itself costs ~130 ms of query planning
+# alone (measured on empty tables; the same at 16,384 ranks), over a dashboard query's
+# 100 ms; a day's goodput a minute old serves the panel as well. ``trainmon goodput`` and
+# the report read the views, current to the record. The table is made again at every
+# start from the view's columns (EMPTY AS SELECT), so it follows a view that changed.
+REFRESHED_EVERY = "1 MINUTE"
+GOODPUT_DAILY_LATEST = """
+CREATE OR REPLACE TABLE {db}.goodput_daily_latest
+ENGINE = MergeTree ORDER BY (job_id, day)
+EMPTY AS SELECT * FROM {db}.goodput_daily
+"""
+GOODPUT_DAILY_LATEST_MV = f"""
+CREATE OR REPLACE MATERIALIZED VIEW {{db}}.goodput_daily_latest_mv
+REFRESH EVERY {REFRESHED_EVERY} TO {{db}}.goodput_daily_latest
+AS SELECT * FROM {{db}}.goodput_daily
+"""
+# The refreshed views: schema_setup.refresh_now runs them at once (after a load, a replay).
+REFRESHED = ("goodput_daily_latest_mv",)
+
 VIEWS = {
     "job_runs": JOB_RUNS,
     "goodput_pieces": GOODPUT_PIECES,
     "goodput": GOODPUT,
     "goodput_daily": GOODPUT_DAILY,
+    "goodput_daily_latest": GOODPUT_DAILY_LATEST,
+    "goodput_daily_latest_mv": GOODPUT_DAILY_LATEST_MV,
 }

@@ -11,6 +11,7 @@ from ...schemas import RECORD_TYPES
 from .ddl import create_table_sql, nullable_of, table_fields
 from .rollups import rollups
 from .settings import settings_sql
+from .goodput import REFRESHED
 from .views import VIEWS
 
 
@@ -90,6 +91,14 @@ def drop_views(client, database: str) -> None:
 def create_views(client, database: str) -> None:
     for sql in VIEWS.values():
         client.command(sql.format(db=database))
+
+
+def refresh_now(client, database: str = "trainmon") -> None:
+    """Run the refreshed views now and wait for them (they run on ClickHouse's schedule
+    otherwise): after loading records a reader wants in them at once."""
+    for name in REFRESHED:
+        client.command(f"SYSTEM REFRESH VIEW {database}.{name}")
+        client.command(f"SYSTEM WAIT VIEW {database}.{name}")
 
 
 def create_probe_table(client, kind: str, database: str) -> str:
