@@ -287,8 +287,11 @@ CREATE OR REPLACE TABLE {db}.goodput_daily_latest
 ENGINE = MergeTree ORDER BY (job_id, day)
 EMPTY AS SELECT * FROM {db}.goodput_daily
 """
+# (Dropped and made again rather than CREATE OR REPLACE, which a materialized view takes
+# only in recent ClickHouse versions; IF NOT EXISTS: two services starting at once.)
+DROP_GOODPUT_DAILY_LATEST_MV = "DROP VIEW IF EXISTS {db}.goodput_daily_latest_mv"
 GOODPUT_DAILY_LATEST_MV = f"""
-CREATE OR REPLACE MATERIALIZED VIEW {{db}}.goodput_daily_latest_mv
+CREATE MATERIALIZED VIEW IF NOT EXISTS {{db}}.goodput_daily_latest_mv
 REFRESH EVERY {REFRESHED_EVERY} TO {{db}}.goodput_daily_latest
 AS SELECT * FROM {{db}}.goodput_daily
 """
@@ -301,5 +304,6 @@ VIEWS = {
     "goodput": GOODPUT,
     "goodput_daily": GOODPUT_DAILY,
     "goodput_daily_latest": GOODPUT_DAILY_LATEST,
+    "goodput_daily_latest_mv (the old one)": DROP_GOODPUT_DAILY_LATEST_MV,
     "goodput_daily_latest_mv": GOODPUT_DAILY_LATEST_MV,
 }
