@@ -66,8 +66,12 @@ def test_targets_against_the_cheapest_peer_and_wandb(capsys):
             results[(name, case)] = _case(us * 20 / 1e6, 20)
         results[(name, "idle")] = _case(0.002 if name == "trainmon" else 0.0, 0)  # 0.01 % of a core
         results[(name, "tight")] = _case(0.1, 20_000, p99_us=25.0 if name == "trainmon" else 9.0)
+    results[("trainmon", "10")]["p99_us"] = 30.0
+    for case in ("idle", "1", "10", "100", "tight"):  # the floor: a no-op call, not a peer
+        results[(po.FLOOR, case)] = _case(0.0 if case == "idle" else 1e-6, 0 if case == "idle" else 20,
+                                          p99_us=13.0)
 
-    po.report(results, list(per_step), "confluent-kafka", "load 1", "load 2")
+    po.report(results, [*per_step, po.FLOOR], "confluent-kafka", "load 1", "load 2")
     lines = capsys.readouterr().out.splitlines()
 
     def verdict(start: str) -> str:
@@ -81,5 +85,7 @@ def test_targets_against_the_cheapest_peer_and_wandb(capsys):
     assert verdict("CPU per step at 100 steps/s <= 1/2").endswith("(trackio): 0.56x (MISSED)")
     assert not [line for line in lines if line.strip().startswith("CPU per step at 100 steps/s <= 1/10")]
     assert verdict("idle <= 0.02 %").endswith("0.010 % (met)")
-    assert verdict("caller p99 <= 20 us").endswith("25.0 us (MISSED)")
+    assert verdict("caller p99 <= 20 us (tight loop)").endswith("25.0 us (MISSED)")
+    assert verdict("caller p99 <= 20 us at 1 steps/s").endswith("5.0 us (met; a no-op call's: 13.0 us)")
+    assert verdict("caller p99 <= 20 us at 10 steps/s").endswith("30.0 us (MISSED; a no-op call's: 13.0 us)")
     assert any("trainmon" in line and "rdk:main 1.00/s 25 us/s" in line for line in lines)
