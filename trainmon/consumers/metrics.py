@@ -30,8 +30,8 @@ DEFAULT_LISTEN = "127.0.0.1"
 # Seconds: an insert or a commit takes milliseconds when well, seconds when the server
 # or the broker struggles, and tens of seconds in an outage.
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, math.inf)
-# Records per flush: one record (a quiet live stream) to a catch-up batch of 50,000.
-BATCH_BUCKETS = (1, 10, 100, 1_000, 5_000, 10_000, 25_000, 50_000, 100_000, math.inf)
+# Records per flush: one record (a quiet live stream) to a catch-up batch of 150,000.
+BATCH_BUCKETS = (1, 10, 100, 1_000, 5_000, 10_000, 25_000, 50_000, 100_000, 150_000, math.inf)
 
 
 class ServiceMetrics:
