@@ -38,6 +38,9 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import wait_joined  # noqa: E402
 
 from trainmon import topics  # noqa: E402
 from trainmon.broker import Broker  # noqa: E402
@@ -124,18 +127,6 @@ def warm_group_coordinator(bootstrap: str, topic: str) -> None:
         consumer.close()
 
 
-def wait_assigned(group: str, bootstrap: str, service: subprocess.Popen, timeout_s: float = 120.0) -> float:
-    """perf_counter once the service's consumer group has partitions assigned."""
-    from trainmon.kafka_client.admin import assigned_partitions
-
-    deadline = time.monotonic() + timeout_s
-    while not assigned_partitions(group, bootstrap=bootstrap):
-        if service.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"{group}: the service did not join (exit {service.poll()})")
-        time.sleep(0.01)
-    return time.perf_counter()
-
-
 def start_service(tmp: Path, bootstrap: str, prefix: str, batch_arguments: list[str]):
     env = dict(os.environ, TRAINMON_KAFKA_BOOTSTRAP=bootstrap, PYTHONPATH=str(REPO))
     with open(tmp / "service.log", "ab") as log:
@@ -186,7 +177,9 @@ def one_run(tmp: Path, bootstrap: str, broker, producers: int, total: int, batch
         up = time.perf_counter()
         # From its consumer's partitions being assigned: joining the group (a rebalance)
         # is the service's start-up, not its throughput; printed apart.
-        ready = wait_assigned(f"{prefix}ch", bootstrap, service)
+        ready = wait_joined(f"{prefix}ch", bootstrap, service, pause=0.01)
+        if ready is None:
+            raise RuntimeError(f"the service exited ({service.returncode}) before it joined its group")
         started_cpu = cpu_seconds(service_process)
         visible = wait_rows(endpoint, "drain", total, timeout=600)
         drain_cpu = cpu_seconds(service_process) - started_cpu

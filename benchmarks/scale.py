@@ -78,7 +78,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _common import broker_bootstrap, percentile  # noqa: E402
+from _common import broker_bootstrap, percentile, wait_joined  # noqa: E402
 
 from trainmon import topics  # noqa: E402
 
@@ -391,20 +391,6 @@ def start_alerts(scn: Scenario, bootstrap: str, prefix: str, work: Path):
         return subprocess.Popen([sys.executable, "-m", "trainmon", "consume", "alerts", "-v"],
                                 env=alerts_env(scn, bootstrap, prefix, work), stdout=log,
                                 stderr=subprocess.STDOUT)
-
-
-def wait_joined(group: str, bootstrap: str, service: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    """Until the service's consumer group is stable with partitions assigned: it has
-    joined and reads, so its start-up is not measured."""
-    from trainmon.kafka_client.admin import assigned_partitions
-
-    deadline = time.monotonic() + timeout_s
-    while not assigned_partitions(group, bootstrap=bootstrap):
-        if service.poll() is not None:
-            return  # the caller reports the exit
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{group}: no partitions assigned after {timeout_s:.0f} s")
-        time.sleep(0.1)
 
 
 class CpuTimeline(threading.Thread):

@@ -62,3 +62,16 @@ def test_a_failed_write_keeps_the_last_checkpoint_and_says_so(tmp_path, caplog):
     assert "checkpoint writer exited with 1" in caplog.text
     assert checkpoint.load(path).engine == {"old": True}
     assert [p.name for p in tmp_path.iterdir()] == ["c.json.gz"]  # no temporary file left
+
+
+def test_a_fork_that_fails_writes_the_checkpoint_in_the_caller(tmp_path, monkeypatch, caplog):
+    def no_fork():
+        raise OSError(11, "Resource temporarily unavailable")
+
+    monkeypatch.setattr(checkpoint.os, "fork", no_fork)
+    writer = checkpoint.Writer()
+    writer.write(tmp_path / "c.json.gz", lambda: checkpoint.Checkpoint(engine={"step": 3}, offsets={},
+                                                                      alert_offsets={}, run_partitions={}))
+    assert writer.pid is None and (writer.written, writer.failed) == (1, 0)
+    assert checkpoint.load(tmp_path / "c.json.gz").engine == {"step": 3}
+    assert "cannot fork a checkpoint writer" in caplog.text

@@ -70,11 +70,6 @@ def classpath() -> str:
     return os.pathsep.join(str(p) for p in sorted(fetch().glob("*.jar")))
 
 
-def class_sharing() -> ClassSharing:
-    """The class-data archive of the fetched jars, for the Java that runs Kafka."""
-    return ClassSharing(fetch() / "class-data", java()[0], classpath())
-
-
 def fetch(quiet: bool = True) -> Path:
     """The broker's jars: ``TRAINMON_KAFKA_LIBS`` as it is where it holds jars (a machine
     without internet), else fetched once into the cache from Maven Central (or the
@@ -345,8 +340,9 @@ class Broker:
 
     @functools.cached_property
     def _sharing(self) -> ClassSharing:
-        """Once per broker: it names the Java (``java -version`` runs) and the jars."""
-        return class_sharing()
+        """The class-data archive of the fetched jars for the Java that runs Kafka: made
+        once per broker, as it names the Java (``java -version`` runs) and the jars."""
+        return ClassSharing(fetch() / "class-data", java()[0], classpath())
 
     def _java(self, main: str, *args: str, recording: Path | None = None) -> list[str]:
         sharing = self._sharing

@@ -97,10 +97,9 @@ class Writer:
     once. One write at a time: ``busy`` says whether the last is still going (and reports a
     failed one). The child dies with its parent (``PR_SET_PDEATHSIG``), so a stopped or
     killed engine leaves no writer behind to replace a newer checkpoint with an older one.
-    Off Linux (no fork) or with ``background=False`` the write happens in the caller."""
+    Off Linux (no fork), or when a fork fails, the write happens in the caller."""
 
-    def __init__(self, background: bool = True):
-        self.background = background and hasattr(os, "fork")
+    def __init__(self):
         self.pid: int | None = None
         self.written = 0  # checkpoints saved (counted when the child is seen to succeed)
         self.failed = 0
@@ -127,35 +126,21 @@ class Writer:
         fork's snapshot), so it may take seconds."""
         self.wait()
         self._started = time.monotonic()
-        if not self.background:
-            save(path, make())
-            self.written += 1
-            self.last_s = time.monotonic() - self._started
-            return
-        arm = end_with_parent(signal.SIGKILL)
-        try:
-            pid = os.fork()
-        except OSError as exc:  # (no memory or process slots for a child: write it here)
-            log.warning("trainmon alerts: cannot fork a checkpoint writer (%s); writing it in the service", exc)
-            save(path, make())
-            self.written += 1
-            self.last_s = time.monotonic() - self._started
-            return
-        if pid == 0:  # the child: no logging (its locks may be held by a thread that is gone)
-            code = 1
+        if hasattr(os, "fork"):
+            arm = end_with_parent(signal.SIGKILL)
             try:
-                if arm is not None:
-                    arm()
-                save(path, make())
-                code = 0
-            except BaseException as exc:
-                try:
-                    sys.stderr.write(f"trainmon alerts: checkpoint {path} not written: {exc!r}\n")
-                except BaseException:
-                    pass
-            finally:
-                os._exit(code)
-        self.pid = pid
+                pid = os.fork()
+            except OSError as exc:  # (no memory or process slots for a child: write it here)
+                log.warning("trainmon alerts: cannot fork a checkpoint writer (%s); writing it in the service",
+                            exc)
+            else:
+                if pid == 0:
+                    _write_and_exit(path, make, arm)
+                self.pid = pid
+                return
+        save(path, make())
+        self.written += 1
+        self.last_s = time.monotonic() - self._started
 
     def _reaped(self, status: int) -> None:
         code, self.pid = os.waitstatus_to_exitcode(status), None
@@ -166,3 +151,21 @@ class Writer:
             self.failed += 1
             log.warning("trainmon alerts: the checkpoint writer exited with %s; the next one is "
                         "due in an interval", code)
+
+
+def _write_and_exit(path: Path, make: Callable[[], Checkpoint], arm: Callable[[], None] | None) -> None:
+    """The forked writer's whole life. No logging: its locks may be held by a thread that
+    is not in the child."""
+    code = 1
+    try:
+        if arm is not None:
+            arm()
+        save(path, make())
+        code = 0
+    except BaseException as exc:
+        try:
+            sys.stderr.write(f"trainmon alerts: checkpoint {path} not written: {exc!r}\n")
+        except BaseException:
+            pass
+    finally:
+        os._exit(code)
