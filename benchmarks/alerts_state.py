@@ -92,6 +92,8 @@ class Run:
 
 
 def measure_checkpoint(engine: AlertEngine, directory: Path) -> dict:
+    # (The hasattr tests let this script measure code from before the gzipped checkpoint
+    # and its forked writer, for the reference figures of the same session.)
     path = directory / f"bench{checkpoint.SUFFIX if hasattr(checkpoint, 'SUFFIX') else '.json'}"
     t = time.perf_counter()
     state = engine.dump()
