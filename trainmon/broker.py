@@ -154,12 +154,19 @@ def _java_version(path: str) -> str | None:
     return found and f"{found.group(1)}.{found.group(2) or 0}"
 
 
-def jvm_performance_options() -> list[str]:
+def jvm_performance_options(long_lived: bool = False) -> list[str]:
     """The collector and compiler flags, from KAFKA_JVM_PERFORMANCE_OPTS as Kafka's own
     kafka-run-class.sh reads them. The tests set C1 only and the serial collector there: a
     broker that lives for seconds then starts on about half the CPU (C2 and G1's threads
-    compete with the test on a small machine); a long-lived broker keeps G1 and C2."""
-    return shlex.split(os.environ.get("KAFKA_JVM_PERFORMANCE_OPTS", "-XX:+UseG1GC"))
+    compete with the test on a small machine); a long-lived broker keeps G1 and C2.
+
+    A long-lived broker also touches its whole heap at start (``-XX:+AlwaysPreTouch``), so
+    its RSS is its heap from the first minute: otherwise G1 spreads new objects over heap
+    regions it has not used yet, and the RSS climbs for an hour or more towards the heap
+    size (benchmarks/soak.py: +132 MiB/h over 30 minutes at 5,000 records/s, all of it
+    heap), which reads as a leak. It costs ~0.5 s at start for a 512 MB heap."""
+    default = "-XX:+UseG1GC -XX:+AlwaysPreTouch" if long_lived else "-XX:+UseG1GC"
+    return shlex.split(os.environ.get("KAFKA_JVM_PERFORMANCE_OPTS", default))
 
 
 def free_port() -> int:
@@ -346,7 +353,8 @@ class Broker:
 
     def _java(self, main: str, *args: str, recording: Path | None = None) -> list[str]:
         sharing = self._sharing
-        return [sharing.java, f"-Xmx{self.heap}", f"-Xms{self.heap}", *jvm_performance_options(),
+        return [sharing.java, f"-Xmx{self.heap}", f"-Xms{self.heap}",
+                *jvm_performance_options(long_lived=main == "kafka.Kafka" and not self.throwaway),
                 *sharing.options(recording), "-Djava.awt.headless=true",
                 "-Dorg.slf4j.simpleLogger.defaultLogLevel=warn", "-cp", sharing.classpath, main, *args]
 

@@ -18,8 +18,18 @@ DEDUP_WINDOW = 10_000
 # against 155-167k records/s (measured).
 # Merged parts above it are written wide, as ever.
 COMPACT_PART_BYTES = 256 << 20
+# Outdated parts (the sources of finished merges) are removed one by one by the table's
+# cleanup thread, never by ClickHouse's part-cleaning pool. With its default threshold (100
+# parts), the first cleanup after a kill -9 found the thousands of parts the dead process
+# had not removed yet and started ~100 threads at once to delete them; idle threads stay in
+# chDB's global pool for the life of the process (it keeps up to 1,000), and each one that
+# later runs part of a query keeps three /proc files open: the service's threads went
+# 63 -> 165 and its open files 113 -> 290 over the next minutes (benchmarks/soak.py). Deleting
+# a compact part is a few unlinks, so one thread keeps up.
+SEQUENTIAL_PART_REMOVAL = 1 << 40
 TABLE_SETTINGS = {"non_replicated_deduplication_window": DEDUP_WINDOW,
-                  "min_bytes_for_wide_part": COMPACT_PART_BYTES}
+                  "min_bytes_for_wide_part": COMPACT_PART_BYTES,
+                  "concurrent_part_removal_threshold": SEQUENTIAL_PART_REMOVAL}
 
 # Every insert into the record tables: a deduplicated block is dropped by the rollups'
 # materialized views too (see rollups.py, "Exactly once").
