@@ -3,9 +3,10 @@ ClickHouse.
 
 Step records like the demo's (every rank, every step: loss, lr, tokens, timers, ...) are
 sent as a training loop's producer sends them: uncompressed (producer.config's
-default_compression for linger 0), one message per pack window holding the records
-logged in it, one message per request (each rank is a producer of its own, so the
-broker never sees two ranks' messages in one batch). Two packings:
+default_compression for linger 0), with the schema header its transport puts on every
+message, one message per pack window holding the records logged in it, one message per
+request (each rank is a producer of its own, so the broker never sees two ranks' messages
+in one batch). Three packings:
 
 - 1 step/s per rank: one record per message (the pack window is 0.8 s);
 - 10 steps/s per rank: 8 records per message;
@@ -41,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainmon import topics  # noqa: E402
 from trainmon.broker import Broker  # noqa: E402
 from trainmon.kafka_client import Producer, create_topics  # noqa: E402
-from trainmon.schemas import StepRecord, encode, pack  # noqa: E402
+from trainmon.schemas import SCHEMA_HEADER, StepRecord, encode, pack, schema_fingerprint  # noqa: E402
 
 TARGET_BYTES = 100
 PACKINGS = {"1 step/s": 1, "10 steps/s": 8, "100 steps/s": 80}
@@ -75,12 +76,14 @@ def send(bootstrap: str, topic: str, per_rank: list[list[StepRecord]], per_messa
     """As the ranks' producers send them: uncompressed, one message per request."""
     producer = Producer(bootstrap=bootstrap, **{"compression.type": "none", "linger.ms": 0,
                                                  "batch.num.messages": 1})
+    # The header the producer's transport puts on every message (schemas.SCHEMA_HEADER).
+    headers = [(SCHEMA_HEADER, schema_fingerprint())]
     sent = 0
     for records in per_rank:
         key = records[0].run_id.encode()
         for i in range(0, len(records), per_message):
             chunk = records[i:i + per_message]
-            producer.send(topic, pack([encode(r) for r in chunk]), key=key)
+            producer.send(topic, pack([encode(r) for r in chunk]), key=key, headers=headers)
             sent += len(chunk)
     assert producer.flush(120), "Kafka did not take every message"
     return sent
