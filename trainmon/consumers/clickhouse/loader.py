@@ -273,8 +273,8 @@ class ClickHouseSink(runtime.Sink):
             try:
                 # No dead-lettering in a rebalance: a refused record is read again by
                 # whoever owns the partition next, and dead-lettered there.
-                self.context.retrying(f"insert {batch.token}", REVOKE_ATTEMPTS)(
-                    self._write, batch, False)
+                self.context.retry_call(f"insert {batch.token}", self._write, batch, False,
+                                        attempts=REVOKE_ATTEMPTS)
             except runtime.RetriableError as exc:
                 # Not written: read them again should the partition come back to us.
                 self._rewind.setdefault(batch.tp, batch.messages[0].offset)
