@@ -63,6 +63,10 @@ class RetriableError(Exception):
     """The sink cannot do it now but the same call later can (a server away, a timeout)."""
 
 
+# One for every Retrying: it holds a bound method of itself, a reference cycle (see call).
+_RETRIABLE = tenacity.retry_if_exception_type(RetriableError)
+
+
 @dataclass(frozen=True)
 class RetryPolicy:
     """Exponential backoff with jitter, from ``first_s`` up to ``max_s`` between tries."""
@@ -87,7 +91,7 @@ class RetryPolicy:
 
         backoff = Backoff(self.first_s, self.max_s, jitter_s=self.first_s)
         return tenacity.Retrying(
-            retry=tenacity.retry_if_exception_type(RetriableError),
+            retry=_RETRIABLE,
             wait=lambda state: backoff.wait_before(state.attempt_number),
             stop=give_up, sleep=stop.wait, before_sleep=say, reraise=True)
 
