@@ -8,9 +8,11 @@ end."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
-from trainmon.consumers.forwarding import RunWork
+from trainmon.consumers.forwarding import ProgressStore, RunProgress, RunWork
 from trainmon.consumers.runtime import RetryPolicy
 from trainmon.consumers.metric_names import stream_key
 from trainmon.kafka_client.memory_consumer import committed_offsets
@@ -144,3 +146,21 @@ def test_a_crash_before_the_commit_sends_nothing_twice_and_new_records_follow(br
     points = tracker.points()
     assert len(points) == len(set(points))
     assert {step for _, step in points} == set(range(4))
+
+
+def test_saving_a_runs_progress_leaves_nothing_for_the_cyclic_collector(tmp_path):
+    """Saved after every batch, by services that run the cyclic collector rarely
+    (consumers/gc_tuning.py): json.dump's Python encoder left a cycle of closures per save."""
+    store = ProgressStore(tmp_path)
+    progress = RunProgress("run-1", high_water={"step/0": 41}, config={"lr": 3e-4, "tags": ["a"]})
+    gc.collect()
+    gc.disable()
+    try:
+        for step in range(50):
+            progress.high_water["step/0"] = step
+            store.save(progress)
+        garbage = gc.collect()
+    finally:
+        gc.enable()
+    assert garbage == 0
+    assert ProgressStore(tmp_path).get("run-1").high_water == {"step/0": 49}

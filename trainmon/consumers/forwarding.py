@@ -93,7 +93,10 @@ class ProgressStore:
         path = self._path(progress.run_id)
         tmp = path.with_suffix(".json.tmp")
         with open(tmp, "w") as f:
-            json.dump(progress.__dict__, f, default=str)
+            # dumps, not dump: dump writes with json's Python encoder, whose closures refer
+            # to each other, a reference cycle per call left for the cyclic collector (which
+            # the services run rarely, see gc_tuning.py); dumps takes the C encoder.
+            f.write(json.dumps(progress.__dict__, default=str))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
