@@ -3,6 +3,7 @@ real broker: test_consumer_runtime.py; in memory: test_consumer_runtime_memory.p
 
 from __future__ import annotations
 
+import gc
 import time
 from datetime import datetime, timezone
 
@@ -78,3 +79,27 @@ class HoldingSink(ListSink):
         if self.hold_at is None:
             return positions
         return {tp: min(offset, self.hold_at) for tp, offset in positions.items()}
+
+
+def _module_of(obj) -> str:
+    func = getattr(obj, "__func__", obj)  # a bound method: its function's module
+    module = getattr(func, "__module__", None) if callable(func) else None
+    return module if isinstance(module, str) else type(obj).__module__
+
+
+def cyclic_garbage(run, modules: tuple[str, ...]) -> list:
+    """What ``run()`` left that only the cyclic garbage collector could free (the services
+    run it rarely: consumers/gc_tuning.py): the unreachable objects found afterwards that
+    are functions of ``modules`` (module names or their prefixes) or instances of their
+    classes. Filtered because other tests' threads may still be making garbage meanwhile."""
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        run()
+        gc.collect()
+        return [o for o in gc.garbage if _module_of(o).startswith(modules)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()

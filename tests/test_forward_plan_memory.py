@@ -8,8 +8,6 @@ end."""
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 
 from trainmon.consumers.forwarding import ProgressStore, RunProgress, RunWork
@@ -20,6 +18,7 @@ from trainmon.kafka_client.memory_transport import MemoryBroker
 
 from .forward_helpers import CONFIG, STEPS, MemoryProducers, drain, log_run, make_memory_forwarder
 from .metrics_support import scrape
+from .runtime_support import cyclic_garbage
 
 PREFIX = "fwd."
 
@@ -153,14 +152,11 @@ def test_saving_a_runs_progress_leaves_nothing_for_the_cyclic_collector(tmp_path
     (consumers/gc_tuning.py): json.dump's Python encoder left a cycle of closures per save."""
     store = ProgressStore(tmp_path)
     progress = RunProgress("run-1", high_water={"step/0": 41}, config={"lr": 3e-4, "tags": ["a"]})
-    gc.collect()
-    gc.disable()
-    try:
+
+    def run():
         for step in range(50):
             progress.high_water["step/0"] = step
             store.save(progress)
-        garbage = gc.collect()
-    finally:
-        gc.enable()
-    assert garbage == 0
+
+    assert cyclic_garbage(run, ("json.encoder",)) == []
     assert ProgressStore(tmp_path).get("run-1").high_water == {"step/0": 49}
