@@ -8,6 +8,8 @@ end."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from trainmon.consumers.forwarding import ProgressStore, RunProgress, RunWork
@@ -160,3 +162,59 @@ def test_saving_a_runs_progress_leaves_nothing_for_the_cyclic_collector(tmp_path
 
     assert cyclic_garbage(run, ("json.encoder",)) == []
     assert ProgressStore(tmp_path).get("run-1").high_water == {"step/0": 49}
+
+
+def read_all(forwarding, records: int, timeout: float = 30.0) -> None:
+    """Step until `records` more records were put (read), whether forwarded or held."""
+    target = forwarding.runtime.records + records
+    deadline = time.monotonic() + timeout
+    while forwarding.runtime.records < target:
+        assert time.monotonic() < deadline, f"read {forwarding.runtime.records}, wanted {target}"
+        forwarding.runtime.step()
+
+
+def test_a_new_runs_points_wait_for_its_start_record_and_their_offsets_stay_uncommitted(
+        broker, producers, tmp_path):
+    """W&B fixes a run's project when it makes the run: a batch holding a run's first steps
+    but not its start record (another topic) must not make the run yet."""
+    steps_only = log_run(producers, "mem-late", steps=range(2), start=False, end=False)
+    other = log_run(producers, "mem-other", steps=range(2), end=False)  # its start came first
+    tracker = KeepingTracker()
+    tracker.start_wait_s = 60.0
+    waiting = forwarder(broker, tracker, "fwd-late", tmp_path)
+    read_all(waiting, steps_only + other)
+    waiting.runtime.flush_and_commit()
+    assert {w.run_id for w in tracker.durable} == {"mem-other"}  # the other run goes on
+    assert waiting.stats.records == other and waiting.runtime.sink.flush_in_s() > 30
+    committed = committed_offsets(broker, "fwd-late")
+    step_partitions = {tp: offset for tp, offset in committed.items() if tp.topic == PREFIX + "step"}
+    assert step_partitions and set(step_partitions.values()) == {0}, committed  # mem-late's come first
+
+    start = producers(run_id="mem-late", rank=0, world_size=2)
+    start.run_start(config=CONFIG, name="late-name", project="late-project")
+    assert start.flush(30)
+    drain(waiting, 1)
+    waiting.runtime.flush_and_commit()
+    late = [w for w in tracker.durable if w.run_id == "mem-late"]
+    assert late[0].start is not None and late[0].start.project == "late-project"
+    assert sum(len(w.records) for w in late) == steps_only  # every held point, once
+    assert waiting.stats.records == steps_only + other + 1
+    assert all(offset > 0 for tp, offset in committed_offsets(broker, "fwd-late").items()
+               if tp.topic == PREFIX + "step")
+    waiting.runtime.close()
+
+
+def test_a_run_without_a_start_record_is_forwarded_after_the_wait(broker, producers, tmp_path):
+    sent = log_run(producers, "mem-nostart", steps=range(2), start=False, end=False)
+    tracker = KeepingTracker()
+    tracker.start_wait_s = 1.0
+    waiting = forwarder(broker, tracker, "fwd-nostart", tmp_path)
+    began = time.monotonic()
+    drain(waiting, sent)
+    assert time.monotonic() - began >= 1.0
+    assert len(tracker.points()) == sent and tracker.durable[0].start is None
+    more = log_run(producers, "mem-nostart", steps=range(2, 3), start=False, end=False)
+    began = time.monotonic()
+    drain(waiting, more)  # once forwarded, its points no longer wait
+    assert time.monotonic() - began < 1.0
+    waiting.runtime.close()

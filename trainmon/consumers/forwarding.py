@@ -14,6 +14,11 @@ Exactly what reaches a tracker is decided here, so the three behave the same:
   committed, so a slow tracker makes consumer lag grow in Kafka, not memory here.
 - A tracker failure (disk full, a locked run) never loses data: the runtime retries the
   same batch with backoff (marks and offsets stay where they were).
+- A run's start record (its project and name) is on a topic of its own, so a batch can
+  hold a new run's first steps without it. A tracker that fixes the project when it
+  creates the run (W&B: ``start_wait_s``) gets a new run's points only once its start was
+  read, or ``start_wait_s`` after its first: until then they stay in the batch, their
+  offsets uncommitted (``pre_commit``), while the other runs' points go on.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any, Callable, Protocol
 
 from ..filenames import safe_name
 from ..schemas import (DatasetRecord, GpuModelRecord, Record, RunRecord)
+from ..kafka_client import TopicPartition
 from . import runtime, serving
 from .metric_names import STEP_KINDS, stream_key
 from .stream import Message
@@ -119,6 +125,12 @@ class RunWork:
     config: dict[str, Any] | None = None  # the whole config, when it changed
     start: RunRecord | None = None  # the run start record, for names and project
     ended: str | None = None  # end status, when the run ended in this batch
+    skipped: int = 0  # records of this batch the run already has
+
+    @property
+    def started(self) -> bool:
+        """Whether the run's start record was read (config_updates put it under "trainmon")."""
+        return "trainmon" in self.progress.config
 
     @property
     def empty(self) -> bool:
@@ -131,6 +143,9 @@ class ExperimentTracker(Protocol):
     tracker only the points it does not have yet."""
 
     name: str  # also names the command (trainmon consume NAME) and the group (trainmon-NAME)
+    # Optional: how long a new run's points may wait for its start record (absent or 0:
+    # not at all), for a tracker that cannot change a run's project once it made the run.
+    start_wait_s: float
 
     def write(self, work: RunWork) -> None: ...
 
@@ -173,7 +188,6 @@ def _merge(base: dict, updates: dict) -> dict:
 def plan(messages: list[Message], store: ProgressStore) -> tuple[dict[str, RunWork], int]:
     """Split a batch by run and drop what each run already has. Returns (work, skipped)."""
     works: dict[str, RunWork] = {}
-    skipped = 0
     for message in messages:
         record = message.record
         work = works.get(record.run_id)
@@ -183,14 +197,14 @@ def plan(messages: list[Message], store: ProgressStore) -> tuple[dict[str, RunWo
         if record.kind in STEP_KINDS:
             key = stream_key(record)
             if record.step <= progress.high_water.get(key, -1):
-                skipped += 1
+                work.skipped += 1
                 continue
             progress.high_water[key] = record.step
             work.records.append(record)
             continue
         if isinstance(record, RunRecord) and record.event == "end":
             if progress.ended == record.status:
-                skipped += 1
+                work.skipped += 1
             else:
                 progress.ended = work.ended = record.status
             continue
@@ -200,10 +214,10 @@ def plan(messages: list[Message], store: ProgressStore) -> tuple[dict[str, RunWo
         if merged != progress.config:
             progress.config = work.config = merged
         else:
-            skipped += 1
+            work.skipped += 1
     for work in works.values():
         work.records.sort(key=lambda r: (r.step, r.rank))
-    return works, skipped
+    return works, sum(work.skipped for work in works.values())
 
 
 # -- the sink the runtime drives ---------------------------------------------------------
@@ -221,7 +235,8 @@ class ForwardingSink(runtime.Sink):
     """Batches records for an experiment tracker (W&B, Aim, TensorBoard): a batch goes out
     when it holds ``batch_records`` or its first record waited ``linger_ms``. A failed write
     is retried by the runtime with the same batch (planned again against the progress, which
-    only moves once a batch is durable)."""
+    only moves once a batch is durable). A new run's points that wait for its start record
+    (see the module docstring) stay at the front of the batch."""
 
     kinds = FORWARDED_KINDS
 
@@ -234,24 +249,31 @@ class ForwardingSink(runtime.Sink):
         self.batch_records = batch_records
         self.linger_s = linger_ms / 1000
         self.idle_close_seconds = idle_close_seconds
+        self.start_wait_s = getattr(target, "start_wait_s", 0.0)
         self.stats = ForwarderStats()
         self._batch: list[Message] = []
-        self._first_at = 0.0
+        self._held = 0  # the batch's first records: those of runs waiting for their start
+        self._waiting: dict[str, float] = {}  # run id -> until when its points wait
+        self._first_at = 0.0  # when the first record after the held ones came
 
     def put(self, messages: list[Message]) -> None:
-        if not self._batch:
+        if len(self._batch) == self._held:
             self._first_at = time.monotonic()
         self._batch.extend(messages)
 
     def flush_in_s(self) -> float | None:
-        if not self._batch:
-            return None
-        if len(self._batch) >= self.batch_records:
-            return 0.0
-        return max(0.0, self.linger_s - (time.monotonic() - self._first_at))
+        now = time.monotonic()
+        due = []
+        if len(self._batch) > self._held:
+            if len(self._batch) >= self.batch_records:
+                return 0.0
+            due.append(self.linger_s - (now - self._first_at))
+        if self._held:
+            due.append(min(self._waiting.values()) - now)
+        return max(0.0, min(due)) if due else None
 
     def room(self) -> int:
-        return self.batch_records - len(self._batch)
+        return self.batch_records - len(self._batch)  # held records count: they wait in Kafka
 
     def tick(self) -> None:
         self.target.close_idle(self.idle_close_seconds)
@@ -259,8 +281,10 @@ class ForwardingSink(runtime.Sink):
     def flush(self) -> None:
         if not self._batch:
             return
-        works, skipped = plan(self._batch, self.store)
-        written = [work for work in works.values() if not work.empty]
+        works, _ = plan(self._batch, self.store)
+        waiting = self._waiting_for_start(works)
+        ready = [work for run_id, work in works.items() if run_id not in waiting]
+        written = [work for work in ready if not work.empty]
         started = time.monotonic()
         try:
             for work in written:
@@ -274,10 +298,40 @@ class ForwardingSink(runtime.Sink):
             self.stats.seconds_in_sink += time.monotonic() - started
         for work in written:
             self.store.save(work.progress)
+        held = [m for m in self._batch if m.record.run_id in waiting] if waiting else []
         self.stats.batches += 1
-        self.stats.records += len(self._batch)
-        self.stats.skipped += skipped
-        self._batch = []
+        self.stats.records += len(self._batch) - len(held)
+        self.stats.skipped += sum(work.skipped for work in ready)
+        self._batch, self._held = held, len(held)
+
+    def pre_commit(self, positions: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
+        """Up to each partition's first held record; all of it where none is held."""
+        first_held: dict[TopicPartition, int] = {}
+        for message in self._batch[:self._held]:
+            tp = TopicPartition(message.topic, message.partition)
+            first_held[tp] = min(first_held.get(tp, message.offset), message.offset)
+        return {tp: min(position, first_held.get(tp, position)) for tp, position in positions.items()}
+
+    def _waiting_for_start(self, works: dict[str, RunWork]) -> set[str]:
+        """The runs whose points wait for their start record: never forwarded before, no
+        start read yet, and first seen less than ``start_wait_s`` ago."""
+        if not self.start_wait_s:
+            return set()
+        now, waiting = time.monotonic(), set()
+        for run_id, work in works.items():
+            before = self.store.get(run_id)
+            if work.started or before.high_water or before.config or before.ended:  # forwarded before
+                self._waiting.pop(run_id, None)
+                continue
+            until = self._waiting.setdefault(run_id, now + self.start_wait_s)
+            if now < until:
+                waiting.add(run_id)
+            else:
+                log.warning("trainmon: %s: no start record of run %r within %.0f s of its first "
+                            "points; forwarding them without its project and name",
+                            self.name, run_id, self.start_wait_s)
+                del self._waiting[run_id]
+        return waiting
 
     def stop(self) -> None:
         self.target.close()

@@ -44,6 +44,9 @@ class WandbSink:
     drives on the consumer runtime."""
 
     name = "wandb"
+    # W&B fixes a run's project when the run is made: a new run's points wait this long for
+    # its start record (another topic, so maybe a batch later) before it is made without.
+    start_wait_s = 15.0
 
     def __init__(self, *, directory: str | Path = ".", mode: str | None = None, project: str | None = None,
                  entity: str | None = None, run_name: str | None = None, barrier_timeout: float = 120.0):
