@@ -28,6 +28,8 @@ DELEGATED = {
     "clickhouse": ("trainmon.consumers.clickhouse.cli:clickhouse_main", "clickhouse",
                    "ClickHouse housekeeping: create the tables, print the DDL"),
     "demo": ("trainmon.demo:main", "demo", "the demo: broker, consumers, a 4-rank CPU training run, a report"),
+    "relay": ("trainmon.relay.server:main", None,
+              "one per node: send the node's ranks' records to Kafka, packed across ranks (TRAINMON_RELAY)"),
     "roundtrip": ("trainmon.roundtrip:main", None, "send a few records through a throwaway broker and read them back"),
     "grafana": ("trainmon.grafana_provision:main", "clickhouse",
                 "Grafana for the stack: 'provision --out DIR' writes data source, dashboards, alert rule"),

@@ -62,6 +62,10 @@ class Producer:
         self._producer.poll(0)
         return delivery
 
+    def poll(self, timeout_s: float = 0.0) -> None:
+        """Collect Kafka's answers so far (each send's Delivery), waiting up to ``timeout_s``."""
+        self._producer.poll(timeout_s)
+
     def flush(self, timeout_s: float) -> bool:
         """Wait up to ``timeout_s`` for every send to be answered; True if none is left."""
         return self._producer.flush(timeout_s) == 0

@@ -1,4 +1,5 @@
-"""Which transport the producer uses: confluent-kafka unless told or unable."""
+"""Which transport the producer uses: the node's relay where one is named, else confluent-kafka
+unless told or unable."""
 
 from __future__ import annotations
 
@@ -26,7 +27,13 @@ def choose_client(env: dict | None = None) -> str:
     return CONFLUENT
 
 
-def make_transport(client: str, config: TransportSettings, on_undelivered: Undelivered) -> Transport:
+def make_transport(client: str, config: TransportSettings, on_undelivered: Undelivered,
+                   relay: str | None = None) -> Transport:
+    """The client's transport to Kafka; the node's relay's (its socket path) where given."""
+    if relay:
+        from .relay_transport import RelayTransport
+
+        return RelayTransport(relay, config, on_undelivered)
     if client == KAFKA_PYTHON:
         from .kafka_python_transport import KafkaPythonTransport
 

@@ -83,6 +83,9 @@ class ProducerConfig:
     # TRAINMON_KAFKA_* security settings (SASL / SSL), by env var name: see kafka_client.settings
     kafka: dict = field(default_factory=dict)
     client: str = field(default_factory=choose_client)  # confluent-kafka, or kafka-python
+    # The node's relay's socket (TRAINMON_RELAY, see trainmon.relay): send through it
+    # instead of a Kafka client of this process's own.
+    relay: str | None = None
     max_message_bytes: int = 1_000_000  # one Kafka message at most (the broker's default limit)
     strict: bool = False
     enabled: bool = True
@@ -126,6 +129,7 @@ class ProducerConfig:
             topic_prefix=env.get("TRAINMON_TOPIC_PREFIX", topics.DEFAULT_PREFIX),
             kafka=kafka_settings.security_from(env),
             client=choose_client(env),
+            relay=env.get("TRAINMON_RELAY") or None,
             strict=_flag(env.get("TRAINMON_STRICT")),
             enabled=not _flag(env.get("TRAINMON_DISABLED")),
             log_file=env.get("TRAINMON_LOG_FILE") or None,

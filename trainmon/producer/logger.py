@@ -115,7 +115,7 @@ class Producer:
                                      compression=cfg.kafka_compression())
         if transport is None:
             def transport(on_undelivered: Undelivered) -> Transport:
-                return make_transport(cfg.client, settings, on_undelivered)
+                return make_transport(cfg.client, settings, on_undelivered, relay=cfg.relay)
         self._worker = Worker(transport,
                               cfg.spill_dir, f"{safe_name(cfg.run_id)}.{cfg.rank}",
                               queue_size=cfg.queue_size, yield_to_caller=cfg.yield_to_caller,

@@ -1,0 +1,180 @@
+"""The node relay (trainmon relay): a node's ranks send through one local process, which
+packs their records across ranks into Kafka messages. Round trips through the real
+broker; the relay hung, killed with kill -9 and restarted, absent at the start, or sent
+garbage: every record logged reaches Kafka, none is lost."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from trainmon import topics
+from trainmon.producer import Producer, ProducerConfig
+from trainmon.relay import frames
+from trainmon.relay.server import Relay
+from trainmon.schemas import SCHEMA_HEADER, schema_fingerprint, unpack
+
+from .conftest import read_records, read_topic
+from .waiting import wait_until
+
+RANKS = 4
+
+
+# -- the wire format, in memory --------------------------------------------------------
+
+def test_frames_split_whole_frames_and_keep_a_partial_one():
+    stream = frames.hello(b"abc") + frames.entry(7, "t.step", b"run", b'{"a":1}') + frames.answers([(7, 0), (8, 1)])
+    buffer = bytearray(stream[:-3])
+    hello, entry = frames.split(buffer)
+    assert hello == b"Habc" and frames.parse_entry(entry) == (7, "t.step", b"run", b'{"a":1}')
+    assert len(buffer) == len(frames.answers([(7, 0), (8, 1)])) - 3  # the partial frame stays
+    buffer += stream[-3:]
+    [answers] = frames.split(buffer)
+    assert frames.parse_answers(answers) == [(7, frames.OK), (8, frames.FAILED)] and not buffer
+
+
+def test_frames_that_are_not_the_format_are_refused_by_name():
+    with pytest.raises(frames.FrameError, match="empty frame"):
+        frames.split(bytearray(b"\0\0\0\0"))
+    with pytest.raises(frames.FrameError, match="too short"):
+        frames.parse_entry(b"E\0\0")
+    with pytest.raises(frames.FrameError, match="run past the frame"):
+        frames.parse_entry(b"E" + (1).to_bytes(8, "big") + (200).to_bytes(2, "big") + b"\0\0ab")
+
+
+# -- through the real broker ------------------------------------------------------------
+
+@pytest.fixture
+def relay_path(tmp_path) -> str:
+    return str(tmp_path / "relay.sock")
+
+
+class RelayThread:
+    """A relay on a thread of the test process (its stats readable)."""
+
+    def __init__(self, path: str, bootstrap: str):
+        self.relay = Relay(path, bootstrap=bootstrap)
+        self.relay.listen()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.relay.run, args=(self.stop,), daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+def relay_process(path: str, bootstrap: str) -> subprocess.Popen:
+    process = subprocess.Popen([sys.executable, "-m", "trainmon", "relay", "--socket", path],
+                               env=dict(os.environ, TRAINMON_KAFKA_BOOTSTRAP=bootstrap),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    wait_until(lambda: os.path.exists(path) or process.poll() is not None, what="the relay's socket")
+    assert process.poll() is None, process.stderr.read().decode()
+    return process
+
+
+def ranks(make_producer, relay_path: str, run_id: str) -> list[Producer]:
+    return [make_producer(run_id=run_id, rank=rank, world_size=RANKS, relay=relay_path, linger_ms=0)
+            for rank in range(RANKS)]
+
+
+def log_steps(producers: list[Producer], steps: range) -> int:
+    for step in steps:
+        for producer in producers:  # the ranks of a data-parallel job log each step together
+            assert producer.log_step(step, loss=2.0 + producer.config.rank, duration_ms=100.0)
+    return len(steps) * len(producers)
+
+
+def event_ids(records) -> list[str]:
+    return [r.event_id for r in records]
+
+
+def test_a_nodes_ranks_reach_kafka_through_the_relay_packed_across_ranks(
+        make_producer, bootstrap, topic_prefix, relay_path):
+    relay = RelayThread(relay_path, bootstrap)
+    try:
+        producers = ranks(make_producer, relay_path, "relay-run")
+        logged = log_steps(producers, range(30))
+        assert all(p.flush(30) for p in producers)
+        records = read_records(bootstrap, topic_prefix, "step", logged)
+        assert len(records) == logged and len(set(event_ids(records))) == logged
+        assert {(r.rank, r.step) for r in records} == {(rank, s) for rank in range(RANKS) for s in range(30)}
+        # One Kafka message carries several ranks' records, with the producers' schema header.
+        messages = read_topic(bootstrap, topics.topic_for("step", topic_prefix), 1)
+        ranks_per_message = [len({line.split(b'"rank":')[1].split(b",")[0] for line in unpack(m.value)})
+                             for m in messages]
+        assert max(ranks_per_message) > 1 and len(messages) < logged
+        assert all(dict(m.headers)[SCHEMA_HEADER] == schema_fingerprint() for m in messages)
+        assert all(m.key == topics.record_key("relay-run") for m in messages)
+    finally:
+        relay.close()
+    assert relay.relay.stats.records == logged and relay.relay.stats.kafka_messages < relay.relay.stats.entries
+    assert not os.path.exists(relay_path)  # removed at its stop
+
+
+def test_a_relay_hung_then_killed_loses_nothing_and_a_new_relay_takes_over(
+        make_producer, bootstrap, topic_prefix, relay_path):
+    first = relay_process(relay_path, bootstrap)
+    producers = ranks(make_producer, relay_path, "relay-kill")
+    logged = log_steps(producers, range(10))
+    assert all(p.flush(30) for p in producers)
+
+    first.send_signal(signal.SIGSTOP)  # hung: messages go out and no answer comes
+    logged += log_steps(producers, range(10, 20))
+    wait_until(lambda: all(p._worker.in_flight for p in producers), what="messages in flight to the hung relay")
+    first.kill()  # kill -9: the connections break with those messages unanswered
+    first.wait(10)
+    wait_until(lambda: all(p.spilled for p in producers), timeout=30,
+               what="every rank to keep its unanswered messages in its spill file")
+    logged += log_steps(producers, range(20, 30))  # logged while no relay runs
+
+    second = relay_process(relay_path, bootstrap)  # the dead relay's socket file is replaced
+    try:
+        assert all(p.flush(60) for p in producers)
+        records = read_records(bootstrap, topic_prefix, "step", logged)
+        assert len(set(event_ids(records))) == logged  # every record, at least once
+        assert {(r.rank, r.step) for r in records} == {(rank, s) for rank in range(RANKS) for s in range(30)}
+    finally:
+        second.terminate()
+        assert second.wait(30) == 0
+
+
+def test_records_logged_before_the_relay_starts_wait_and_arrive_once_it_does(
+        make_producer, bootstrap, topic_prefix, relay_path):
+    [producer] = ranks(make_producer, relay_path, "relay-late")[:1]
+    logged = log_steps([producer], range(5))
+    assert not producer.flush(1)  # no relay yet: kept, not delivered
+    assert producer.spilled or producer._worker.held_in_memory
+    relay = RelayThread(relay_path, bootstrap)
+    try:
+        assert producer.flush(60)
+        records = read_records(bootstrap, topic_prefix, "step", logged)
+        assert sorted(r.step for r in records) == list(range(5))
+    finally:
+        relay.close()
+
+
+def test_a_connection_sending_garbage_is_closed_and_the_other_ranks_go_on(
+        make_producer, bootstrap, topic_prefix, relay_path):
+    relay = RelayThread(relay_path, bootstrap)
+    try:
+        garbage = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        garbage.connect(relay_path)
+        garbage.sendall(b"\0\0\0\x05Xjunk")
+        wait_until(lambda: garbage.recv(1) == b"", what="the relay to close the garbage connection")
+        garbage.close()
+        producers = ranks(make_producer, relay_path, "relay-garbage")[:2]
+        logged = log_steps(producers, range(5))
+        assert all(p.flush(30) for p in producers)
+        assert len(read_records(bootstrap, topic_prefix, "step", logged)) == logged
+    finally:
+        relay.close()
+    assert relay.relay.stats.refused == 1

@@ -1,0 +1,173 @@
+"""The producer's transport to its node's relay (``trainmon relay``, see trainmon.relay):
+messages go over a local Unix socket, and the relay answers each once Kafka stored it or
+gave up on it.
+
+A rank then runs no Kafka client at all: a send is one non-blocking write to the socket,
+an answer one read, and the relay packs the records of every rank of the node into one
+Kafka message per (topic, key) and window. Nothing is lost when the relay is away or
+dies: a message counts as in flight until its answer, and every message in flight when
+the connection fails, or still unanswered after the delivery timeout (a relay that hangs),
+goes to ``on_undelivered``, so the worker spills it and sends it again once a connection
+works. A message the relay stored but whose answer was lost is sent again: a duplicate in
+Kafka, which every consumer keeps once (by event id), as after a librdkafka resend.
+"""
+
+from __future__ import annotations
+
+import logging
+import select
+import socket
+import time
+from typing import Callable
+
+from ..relay import frames
+from .errors import TransportUnavailable
+from .transport import Entry, TransportSettings, Undelivered
+
+log = logging.getLogger("trainmon.producer")
+
+# Bytes written to the socket and not yet taken by the relay: past this the relay is not
+# reading, and sends are refused (the worker keeps the records in its spill file).
+_MAX_UNSENT_BYTES = 8 << 20
+# The relay answers within Kafka's delivery timeout; this much more is the relay's own
+# share (its pack window, its loop) before an unanswered message counts as lost.
+_ANSWER_GRACE_S = 5.0
+
+
+class RelayTransport:
+    # A send is one non-blocking write to a local socket: a log call may send its own record.
+    sends_without_blocking = True
+
+    def __init__(self, path: str, config: TransportSettings, on_undelivered: Undelivered):
+        self.path = path
+        self._on_undelivered = on_undelivered
+        self._answer_within_s = config.delivery_timeout_ms / 1000 + _ANSWER_GRACE_S
+        self._sock: socket.socket | None = None
+        self._unsent = bytearray()
+        self._received = bytearray()
+        # id -> (entry, sent at, its failure handler or None for the transport's own); in id order
+        self._waiting: dict[int, tuple[Entry, float, Undelivered | None]] = {}
+        self._last_id = 0
+        self._said_away = False
+        self.dropped = 0
+        self.on_ack: Callable[[], None] | None = None
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._waiting)
+
+    def send(self, entry: Entry, on_undelivered: Undelivered | None = None) -> None:
+        if self._sock is None:
+            self._connect()
+        if len(self._unsent) > _MAX_UNSENT_BYTES:
+            self._write()
+            if len(self._unsent) > _MAX_UNSENT_BYTES:
+                raise TransportUnavailable(f"the relay at {self.path} takes nothing "
+                                           f"({len(self._unsent):,} bytes unsent)")
+        self._last_id += 1
+        topic, key, value = entry
+        self._unsent += frames.entry(self._last_id, topic, key, value)
+        self._waiting[self._last_id] = (entry, time.monotonic(), on_undelivered)
+        self._write()
+
+    def serve(self, timeout: float = 0.0) -> None:
+        """Collect the relay's answers (waiting up to ``timeout`` for some while messages are
+        in flight); a failed message goes to its failure handler."""
+        if self._sock is not None:
+            self._write()
+            if timeout > 0 and self._waiting:
+                select.select([self._sock], [], [], timeout)
+            self._read()
+        self._give_up_on_old()
+
+    def flush(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self._waiting and self._sock is not None and time.monotonic() < deadline:
+            self.serve(min(0.05, max(0.0, deadline - time.monotonic())))
+        return not self._waiting
+
+    def close(self, timeout: float) -> None:
+        self.flush(timeout)
+        self._lost("the producer closed with messages unanswered" if self._waiting else None)
+
+    # -- the connection --------------------------------------------------------------------
+
+    def _connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.path)
+        except OSError as exc:
+            sock.close()
+            if not self._said_away:
+                self._said_away = True
+                log.warning("trainmon: no relay at %s (%s); records wait in the spill file until "
+                            "it answers", self.path, exc)
+            raise TransportUnavailable(f"no relay at {self.path}: {exc}") from exc
+        sock.setblocking(False)
+        from ..schemas import schema_fingerprint
+
+        self._sock = sock
+        self._unsent += frames.hello(schema_fingerprint())
+        if self._said_away:
+            self._said_away = False
+            log.warning("trainmon: the relay at %s answers again", self.path)
+
+    def _write(self) -> None:
+        if not self._unsent or self._sock is None:
+            return
+        try:
+            written = self._sock.send(self._unsent)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._lost(f"writing to the relay failed: {exc}")
+            return
+        del self._unsent[:written]
+
+    def _read(self) -> None:
+        while self._sock is not None:
+            try:
+                data = self._sock.recv(1 << 16)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                self._lost(f"reading from the relay failed: {exc}")
+                return
+            if not data:
+                self._lost("the relay closed the connection")
+                return
+            self._received += data
+        try:
+            answered = [a for frame in frames.split(self._received) for a in frames.parse_answers(frame)]
+        except frames.FrameError as exc:
+            self._lost(f"the relay sent what is not an answer: {exc}")
+            return
+        for entry_id, status in answered:
+            item = self._waiting.pop(entry_id, None)
+            if item is None:  # given up on already (and kept by the worker)
+                continue
+            if status == frames.OK:
+                if self.on_ack is not None:
+                    self.on_ack()
+            else:
+                (item[2] or self._on_undelivered)([item[0]])
+
+    def _give_up_on_old(self) -> None:
+        if self._waiting:
+            _, sent_at, _ = next(iter(self._waiting.values()))
+            if time.monotonic() - sent_at > self._answer_within_s:
+                self._lost(f"the relay did not answer within {self._answer_within_s:.0f} s")
+
+    def _lost(self, reason: str | None) -> None:
+        """Drop the connection; every message in flight goes to its failure handler, in order."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._unsent.clear()
+        self._received.clear()
+        waiting, self._waiting = self._waiting, {}
+        if not waiting:
+            return
+        log.warning("trainmon: %s; %d message(s) kept to send again", reason, len(waiting))
+        for entry, _, on_undelivered in waiting.values():
+            (on_undelivered or self._on_undelivered)([entry])

@@ -1,0 +1,77 @@
+"""The relay's wire format on its Unix socket: length-prefixed frames, in both directions.
+
+A frame is a 4-byte big-endian length, then that many bytes: a type byte and its body.
+
+- ``H`` hello (rank -> relay, first): the schema fingerprint of the rank's records, which
+  the relay puts in the schema header of the Kafka messages that carry them.
+- ``E`` entry (rank -> relay): an id (the rank's own, 8 bytes), the topic and key lengths
+  (2 bytes each), the topic, the key, then the value (one record or packed ones).
+- ``A`` answers (relay -> rank): ids with a status byte each, ``OK`` once Kafka stored the
+  entry, ``FAILED`` once it gave up on it (the rank keeps the entry and sends it again).
+"""
+
+from __future__ import annotations
+
+import struct
+
+HELLO, ENTRY, ANSWERS = b"H", b"E", b"A"
+OK, FAILED = 0, 1
+
+_LENGTH = struct.Struct(">I")
+_ENTRY = struct.Struct(">QHH")
+_ANSWER = struct.Struct(">QB")
+
+
+class FrameError(ValueError):
+    """Bytes on the socket that are not a frame of this format."""
+
+
+def hello(fingerprint: bytes) -> bytes:
+    return _LENGTH.pack(1 + len(fingerprint)) + HELLO + fingerprint
+
+
+def entry(entry_id: int, topic: str, key: bytes, value: bytes) -> bytes:
+    name = topic.encode()
+    key = key or b""
+    return b"".join((_LENGTH.pack(1 + _ENTRY.size + len(name) + len(key) + len(value)), ENTRY,
+                     _ENTRY.pack(entry_id, len(name), len(key)), name, key, value))
+
+
+def answers(statuses: list[tuple[int, int]]) -> bytes:
+    body = b"".join(_ANSWER.pack(entry_id, status) for entry_id, status in statuses)
+    return _LENGTH.pack(1 + len(body)) + ANSWERS + body
+
+
+def split(buffer: bytearray) -> list[bytes]:
+    """The whole frames at the start of ``buffer`` (removed from it); a partial one stays."""
+    frames, at = [], 0
+    while len(buffer) - at >= _LENGTH.size:
+        (length,) = _LENGTH.unpack_from(buffer, at)
+        if length == 0:
+            raise FrameError("an empty frame")
+        if len(buffer) - at - _LENGTH.size < length:
+            break
+        frames.append(bytes(buffer[at + _LENGTH.size:at + _LENGTH.size + length]))
+        at += _LENGTH.size + length
+    del buffer[:at]
+    return frames
+
+
+def parse_entry(frame: bytes) -> tuple[int, str, bytes, bytes]:
+    """An ``E`` frame -> (id, topic, key, value)."""
+    if len(frame) < 1 + _ENTRY.size:
+        raise FrameError(f"an entry frame of {len(frame)} bytes is too short")
+    entry_id, topic_len, key_len = _ENTRY.unpack_from(frame, 1)
+    at = 1 + _ENTRY.size
+    if len(frame) < at + topic_len + key_len:
+        raise FrameError(f"entry {entry_id}: its topic and key run past the frame")
+    topic = frame[at:at + topic_len].decode()
+    key = frame[at + topic_len:at + topic_len + key_len]
+    return entry_id, topic, key, frame[at + topic_len + key_len:]
+
+
+def parse_answers(frame: bytes) -> list[tuple[int, int]]:
+    body = memoryview(frame)[1:]
+    if len(body) % _ANSWER.size:
+        raise FrameError(f"an answers frame of {len(frame)} bytes")
+    return [_ANSWER.unpack_from(body, at) for at in range(0, len(body), _ANSWER.size)]

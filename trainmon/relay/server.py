@@ -1,0 +1,325 @@
+"""``trainmon relay``: one process per node that sends the node's ranks' records to Kafka.
+
+Each rank's producer alone sends a Kafka message per pack window, most of them holding one
+record at training rates: on the broker's disk each costs a batch header, its key and its
+schema header besides the record (~480 bytes per step record at 1 step/s), and each costs
+the rank librdkafka's threads and a request. Through the relay the ranks of a node write
+their messages to a local Unix socket (kafka_client/relay_transport.py); the relay gathers
+what arrives within ``window_s`` and sends one Kafka message per (topic, key, schema): a
+run's records of one kind from every local rank (the key is the run, so they share a
+partition anyway). The ranks of a data-parallel job log each step within milliseconds of
+each other, so a short window catches them all.
+
+Answers: a rank's message is answered OK once Kafka acknowledged the message that carries
+it, FAILED once Kafka gave up on it (the rank spills it and sends it again). A rank that
+disconnects gets no answers; it counts its unanswered messages as failed and sends them
+again (a message may then reach Kafka twice; consumers keep a record once, by event id).
+Ordering: one Kafka request in flight, messages in arrival order, so each rank's records
+keep their order.
+
+Everything runs on one thread around a selector; the Kafka client is trainmon's own
+(kafka_client.Producer). SIGTERM / SIGINT: stop taking connections, send what is pending,
+wait for Kafka's answers (up to ``close_timeout_s``), remove the socket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import selectors
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..kafka_client import Producer
+from ..kafka_client.producer import Delivery
+from ..schemas import MAX_MESSAGE_BYTES, MAX_RECORDS_PER_MESSAGE, SCHEMA_HEADER, count, pack
+from . import frames
+
+log = logging.getLogger("trainmon.relay")
+
+DEFAULT_WINDOW_S = 0.05
+_READ_BYTES = 1 << 16
+
+
+def default_socket_path(env: dict | None = None) -> str:
+    """TRAINMON_RELAY, else the user's runtime directory, else /tmp."""
+    env = os.environ if env is None else env
+    if env.get("TRAINMON_RELAY"):
+        return env["TRAINMON_RELAY"]
+    base = env.get("XDG_RUNTIME_DIR") or "/tmp"
+    return os.path.join(base, f"trainmon-relay-{os.getuid()}.sock")
+
+
+@dataclass
+class _Connection:
+    sock: socket.socket
+    fingerprint: bytes | None = None  # from its hello
+    received: bytearray = field(default_factory=bytearray)
+    unsent: bytearray = field(default_factory=bytearray)
+    open: bool = True
+
+
+@dataclass
+class _Pending:
+    """One (topic, key, schema)'s messages gathered in the current window."""
+    first_at: float
+    members: list[tuple[_Connection, int, bytes]] = field(default_factory=list)  # (connection, id, value)
+
+
+@dataclass
+class RelayStats:
+    connections: int = 0
+    entries: int = 0  # messages taken from ranks
+    records: int = 0
+    kafka_messages: int = 0
+    failed: int = 0  # entries answered FAILED
+    refused: int = 0  # frames that were not of the format (their connection closed)
+
+
+class Relay:
+    def __init__(self, path: str, *, env: dict | None = None, bootstrap: str | None = None,
+                 window_s: float = DEFAULT_WINDOW_S, delivery_timeout_ms: int = 5000,
+                 close_timeout_s: float = 10.0, kafka: Producer | None = None):
+        self.path = path
+        self.window_s = window_s
+        self.close_timeout_s = close_timeout_s
+        # As a rank's own transport sends (kafka_client/confluent_transport.py): acks from
+        # every replica, one request in flight (order), no idempotence (a resend may
+        # duplicate, consumers keep one), Kafka's answer within the delivery timeout. zstd,
+        # the topics' own compression: the broker keeps the batches as they come.
+        self.kafka = kafka or Producer(env=env, bootstrap=bootstrap, **{
+            "linger.ms": 0, "compression.type": "zstd", "enable.idempotence": False,
+            "max.in.flight.requests.per.connection": 1, "message.timeout.ms": delivery_timeout_ms,
+            "request.timeout.ms": min(4000, delivery_timeout_ms)})
+        self.stats = RelayStats()
+        self._selector = selectors.DefaultSelector()
+        self._pending: dict[tuple[str, bytes, bytes], _Pending] = {}
+        self._deliveries: list[tuple[Delivery, list[tuple[_Connection, int, bytes]]]] = []
+        self._listener: socket.socket | None = None
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def listen(self) -> None:
+        """Bind the socket (a stale one, whose relay is gone, is replaced)."""
+        if os.path.exists(self.path):
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(self.path)
+            except OSError:
+                os.unlink(self.path)
+            else:
+                probe.close()
+                raise SystemExit(f"trainmon relay: another relay already answers at {self.path}")
+            finally:
+                probe.close()
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(self.path)
+        listener.listen(256)
+        listener.setblocking(False)
+        self._listener = listener
+        self._selector.register(listener, selectors.EVENT_READ, None)
+
+    def run(self, stop: threading.Event) -> None:
+        if self._listener is None:
+            self.listen()
+        try:
+            while not stop.is_set():
+                self.step(self._wait_s())
+        finally:
+            self.close()
+
+    def step(self, timeout: float) -> None:
+        """Take what arrived (waiting up to ``timeout``), send due windows, answer."""
+        for key, events in self._selector.select(timeout):
+            if key.data is None:
+                self._accept()
+            elif events & selectors.EVENT_READ:
+                self._read(key.data)
+            if key.data is not None and events & selectors.EVENT_WRITE:
+                self._write(key.data)
+        self._send_due(time.monotonic())
+        self._answer()
+
+    def _wait_s(self) -> float:
+        if self._deliveries:
+            return 0.005  # Kafka's answer comes within milliseconds; it is polled for
+        if self._pending:
+            first = min(p.first_at for p in self._pending.values())
+            return max(0.0, first + self.window_s - time.monotonic())
+        return 1.0
+
+    # -- ranks ---------------------------------------------------------------------------
+
+    def _accept(self) -> None:
+        try:
+            sock, _ = self._listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        sock.setblocking(False)
+        self._selector.register(sock, selectors.EVENT_READ, _Connection(sock))
+        self.stats.connections += 1
+
+    def _read(self, conn: _Connection) -> None:
+        try:
+            data = conn.sock.recv(_READ_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(conn)
+            return
+        conn.received += data
+        now = time.monotonic()
+        try:
+            for frame in frames.split(conn.received):
+                kind = frame[:1]
+                if kind == frames.HELLO:
+                    conn.fingerprint = frame[1:]
+                elif kind == frames.ENTRY:
+                    self._take(conn, *frames.parse_entry(frame), now)
+                else:
+                    raise frames.FrameError(f"a frame of type {kind!r}")
+        except (frames.FrameError, UnicodeDecodeError) as exc:
+            self.stats.refused += 1
+            log.error("trainmon relay: closed a connection that sent what is not a trainmon "
+                      "producer's frame (%s)", exc)
+            self._drop(conn)
+
+    def _take(self, conn: _Connection, entry_id: int, topic: str, key: bytes, value: bytes, now: float) -> None:
+        group = (topic, key, conn.fingerprint or b"")
+        pending = self._pending.get(group)
+        if pending is None:
+            pending = self._pending[group] = _Pending(now)
+        pending.members.append((conn, entry_id, value))
+        self.stats.entries += 1
+
+    def _drop(self, conn: _Connection) -> None:
+        """A rank went away: its messages not sent yet are not sent (it sends them again)."""
+        conn.open = False
+        try:
+            self._selector.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()
+        for group, pending in list(self._pending.items()):
+            pending.members = [m for m in pending.members if m[0] is not conn]
+            if not pending.members:
+                del self._pending[group]
+
+    # -- Kafka ---------------------------------------------------------------------------
+
+    def _send_due(self, now: float, everything: bool = False) -> None:
+        for group in [g for g, p in self._pending.items() if everything or now - p.first_at >= self.window_s]:
+            topic, key, fingerprint = group
+            members = self._pending.pop(group).members
+            headers = [(SCHEMA_HEADER, fingerprint)] if fingerprint else None
+            for chunk in _chunks(members):
+                value = pack([value for _, _, value in chunk])
+                self._deliveries.append((self.kafka.send(topic, value, key=key or None, headers=headers), chunk))
+                self.stats.kafka_messages += 1
+                self.stats.records += count(value)
+
+    def _answer(self) -> None:
+        if not self._deliveries:
+            return
+        self.kafka.poll(0)
+        answers: dict[int, tuple[_Connection, list[tuple[int, int]]]] = {}
+        still = []
+        for delivery, members in self._deliveries:
+            if not delivery.done:
+                still.append((delivery, members))
+                continue
+            status = frames.FAILED if delivery.failed else frames.OK
+            if delivery.failed:
+                self.stats.failed += len(members)
+                log.warning("trainmon relay: Kafka gave up on a message of %d rank message(s): %s; "
+                            "the ranks send them again", len(members), delivery.error)
+            for conn, entry_id, _ in members:
+                if conn.open:
+                    answers.setdefault(id(conn), (conn, []))[1].append((entry_id, status))
+        self._deliveries = still
+        for conn, statuses in answers.values():
+            conn.unsent += frames.answers(statuses)
+            self._write(conn)
+
+    def _write(self, conn: _Connection) -> None:
+        if not conn.open:
+            return
+        if conn.unsent:
+            try:
+                written = conn.sock.send(conn.unsent)
+            except (BlockingIOError, InterruptedError):
+                written = 0
+            except OSError:
+                self._drop(conn)
+                return
+            del conn.unsent[:written]
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.unsent else 0)
+        self._selector.modify(conn.sock, events, conn)
+
+    def close(self) -> None:
+        """Send what is pending, wait for Kafka's answers, pass them on, remove the socket."""
+        if self._listener is not None:
+            self._selector.unregister(self._listener)
+            self._listener.close()
+            self._listener = None
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+        self._send_due(time.monotonic(), everything=True)
+        deadline = time.monotonic() + self.close_timeout_s
+        while self._deliveries and time.monotonic() < deadline:
+            self.kafka.poll(0.05)
+            self._answer()
+        for key in list(self._selector.get_map().values()):
+            conn = key.data
+            if conn is not None:
+                if conn.unsent:  # the last answers, best effort
+                    conn.sock.setblocking(True)
+                    conn.sock.settimeout(1.0)
+                    try:
+                        conn.sock.sendall(conn.unsent)
+                    except OSError:
+                        pass
+                self._drop(conn)
+        self._selector.close()
+
+
+def _chunks(members: list[tuple[_Connection, int, bytes]]):
+    """Members in order, in runs that fit one Kafka message (records and bytes)."""
+    chunk, records, size = [], 0, 0
+    for member in members:
+        value = member[2]
+        n = count(value)
+        if chunk and (records + n > MAX_RECORDS_PER_MESSAGE or size + len(value) + 1 > MAX_MESSAGE_BYTES):
+            yield chunk
+            chunk, records, size = [], 0, 0
+        chunk.append(member)
+        records += n
+        size += len(value) + 1
+    if chunk:
+        yield chunk
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="trainmon relay", description=__doc__.splitlines()[0])
+    parser.add_argument("--socket", default=None,
+                        help="the Unix socket the node's ranks connect to (default: TRAINMON_RELAY, "
+                             f"else {default_socket_path({})})")
+    parser.add_argument("--window-ms", type=float, default=DEFAULT_WINDOW_S * 1000,
+                        help="how long a message waits for the other ranks' (default: %(default)s)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from ..consumers.runtime import stop_on_signals
+
+    relay = Relay(args.socket or default_socket_path(), window_s=args.window_ms / 1000)
+    relay.listen()
+    log.info("trainmon relay: listening at %s (window %.0f ms)", relay.path, args.window_ms)
+    relay.run(stop_on_signals())
+    log.info("trainmon relay: stopped: %s", relay.stats)
+    return 0
