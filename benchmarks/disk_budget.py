@@ -6,11 +6,14 @@ sent as a training loop's producer sends them: uncompressed (producer.config's
 default_compression for linger 0), with the schema header its transport puts on every
 message, one message per pack window holding the records logged in it, one message per
 request (each rank is a producer of its own, so the broker never sees two ranks' messages
-in one batch). Three packings:
+in one batch). Three packings, each sent two ways:
 
 - 1 step/s per rank: one record per message (the pack window is 0.8 s);
 - 10 steps/s per rank: 8 records per message;
-- 100 steps/s per rank: 80 records per message.
+- 100 steps/s per rank: 80 records per message;
+- and each through a node's relay (``trainmon relay``, its 50 ms window): the messages of
+  all ``--ranks`` ranks of one pack window in one Kafka message, rank after rank, up to
+  MAX_RECORDS_PER_MESSAGE (1 step/s: 8 records, one per rank; 10 steps/s: 64).
 
 Each goes to topics under their own prefixes in one broker of this run: ``before`` (the
 topic as trainmon made it until now: the producer's compression, i.e. none), the
@@ -42,10 +45,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainmon import topics  # noqa: E402
 from trainmon.broker import Broker  # noqa: E402
 from trainmon.kafka_client import Producer, create_topics  # noqa: E402
-from trainmon.schemas import SCHEMA_HEADER, StepRecord, encode, pack, schema_fingerprint  # noqa: E402
+from trainmon.schemas import (MAX_RECORDS_PER_MESSAGE, SCHEMA_HEADER, StepRecord, encode, pack,  # noqa: E402
+                              schema_fingerprint)
 
 TARGET_BYTES = 100
-PACKINGS = {"1 step/s": 1, "10 steps/s": 8, "100 steps/s": 80}
+# packing -> (records per rank per message, through a node relay)
+PACKINGS = {"1 step/s": (1, False), "10 steps/s": (8, False), "100 steps/s": (80, False),
+            "1 step/s, relay": (1, True), "10 steps/s, relay": (8, True), "100 steps/s, relay": (80, True)}
 BROKER_COMPRESSIONS = {"zstd": {"compression.type": "zstd"},
                        "lz4": {"compression.type": "lz4"}, "gzip": {"compression.type": "gzip"}}
 
@@ -72,19 +78,31 @@ def step_records(ranks: int, steps: int) -> list[list[StepRecord]]:
     return out
 
 
-def send(bootstrap: str, topic: str, per_rank: list[list[StepRecord]], per_message: int) -> int:
-    """As the ranks' producers send them: uncompressed, one message per request."""
-    producer = Producer(bootstrap=bootstrap, **{"compression.type": "none", "linger.ms": 0,
-                                                 "batch.num.messages": 1})
+def messages(per_rank: list[list[StepRecord]], per_message: int, relay: bool) -> list[list[StepRecord]]:
+    """The records of each Kafka message: a rank's pack window alone, or through a relay
+    every rank's window of the same steps together (up to MAX_RECORDS_PER_MESSAGE)."""
+    windows = [[records[i:i + per_message] for i in range(0, len(records), per_message)] for records in per_rank]
+    if not relay:
+        return [window for rank in windows for window in rank]
+    out = []
+    for together in zip(*windows):
+        merged = [record for window in together for record in window]
+        out += [merged[i:i + MAX_RECORDS_PER_MESSAGE] for i in range(0, len(merged), MAX_RECORDS_PER_MESSAGE)]
+    return out
+
+
+def send(bootstrap: str, topic: str, per_rank: list[list[StepRecord]], per_message: int, relay: bool) -> int:
+    """As the ranks' producers send them (uncompressed, one message per request), or their
+    node's relay (zstd, as trainmon/relay/server.py sends)."""
+    producer = Producer(bootstrap=bootstrap, **{"compression.type": "zstd" if relay else "none",
+                                                 "linger.ms": 0, "batch.num.messages": 1})
     # The header the producer's transport puts on every message (schemas.SCHEMA_HEADER).
     headers = [(SCHEMA_HEADER, schema_fingerprint())]
     sent = 0
-    for records in per_rank:
-        key = records[0].run_id.encode()
-        for i in range(0, len(records), per_message):
-            chunk = records[i:i + per_message]
-            producer.send(topic, pack([encode(r) for r in chunk]), key=key, headers=headers)
-            sent += len(chunk)
+    key = per_rank[0][0].run_id.encode()
+    for chunk in messages(per_rank, per_message, relay):
+        producer.send(topic, pack([encode(r) for r in chunk]), key=key, headers=headers)
+        sent += len(chunk)
     assert producer.flush(120), "Kafka did not take every message"
     return sent
 
@@ -133,16 +151,17 @@ def main() -> int:
                        "after (the new default)": after}
             results: dict[tuple[str, str], float] = {}
             after_prefix = None
-            for packing, per_message in PACKINGS.items():
-                print(f"\n{packing} per rank: {per_message} record(s) per message")
+            for packing, (per_message, relay) in PACKINGS.items():
+                shown = min(MAX_RECORDS_PER_MESSAGE, per_message * args.ranks) if relay else per_message
+                print(f"\n{packing} per rank: {shown} record(s) per message")
                 for name, config in configs.items():
                     prefix = f"disk{uuid.uuid4().hex[:6]}."
                     topic = topics.topic_for("step", prefix)
                     create_topics([topic], 1, bootstrap=broker.bootstrap, config=config)
-                    sent = send(broker.bootstrap, topic, per_rank, per_message)
+                    sent = send(broker.bootstrap, topic, per_rank, per_message, relay)
                     results[packing, name] = per_record = disk_bytes(broker, topic) / sent
                     print(f"  {name:<32} {per_record:7.1f} bytes per step record on the broker's disk")
-                    if name.startswith("after") and per_message == 1:
+                    if name.startswith("after") and per_message == 1 and not relay:
                         after_prefix = prefix
             per_row, rows = clickhouse_bytes_per_row(broker.bootstrap, after_prefix, Path(tmp) / "chdb")
         finally:
@@ -151,7 +170,7 @@ def main() -> int:
     print(f"\ntarget: <= {TARGET_BYTES} bytes per step record on the broker's disk")
     for packing in PACKINGS:
         before, now = results[packing, "before (as sent: uncompressed)"], results[packing, "after (the new default)"]
-        print(f"  {packing:<12} before {before:6.1f}, after {now:6.1f} ({before / now:.1f}x less): "
+        print(f"  {packing:<20} before {before:6.1f}, after {now:6.1f} ({before / now:.1f}x less): "
               f"{'met' if now <= TARGET_BYTES else 'missed'}")
     return 0
 

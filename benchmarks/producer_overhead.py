@@ -12,7 +12,12 @@ own, one after the other, trainmon against a broker:
 - idle: CPU while connected and nothing is logged;
 - a tight loop of calls back to back: the caller's mean and p99, and CPU per step;
 - the floor: a no-op Python call made the same way (``no-op``), what a caller costs on this
-  machine with nothing in it.
+  machine with nothing in it;
+- ``trainmon-relay``: trainmon through a node's relay (``trainmon relay``, its own process,
+  started per case): ``--relay-ranks`` rank processes (8, a node's GPUs; 1 for the tight
+  loop) log at once through one relay, and each rank's figure is its own process's CPU
+  plus its share of the relay's (all of the relay's CPU while the ranks ran, start-up and
+  close included, divided by the ranks).
 
 It prints each figure, the machine's load average, the ratios of trainmon to the cheapest
 peer and to wandb, and the targets (issue 30) with met / missed.
@@ -44,7 +49,10 @@ PEERS = ("tensorboard", "trackio", "mlflow", "wandb")
 # sleep the interpreter runs with cold caches; on a shared VM even this call takes
 # microseconds, which is the least any Python logger's caller can cost at 1-100 steps/s.
 FLOOR = "no-op"
-LIBRARIES = ("trainmon", *PEERS, FLOOR)
+RELAY = "trainmon-relay"
+OURS = ("trainmon", RELAY)
+LIBRARIES = (*OURS, *PEERS, FLOOR)
+RELAY_RANKS = 8
 
 
 def step_fields(i: int) -> dict:
@@ -130,10 +138,12 @@ def wakeups(before: dict, after: dict, seconds: float) -> dict[str, list[float]]
 
 def make_logger(library: str, bootstrap: str, tmp: str):
     """(log(i), close()) for the library, connected and warmed up (one step logged)."""
-    if library == "trainmon":
+    if library in OURS:
         from trainmon.producer import Producer, ProducerConfig
 
         producer = Producer(ProducerConfig(bootstrap=bootstrap, run_id="bench",
+                                           rank=int(os.environ.get("BENCH_RANK", "0")),
+                                           relay=os.environ["TRAINMON_RELAY"] if library == RELAY else None,
                                            spill_dir=Path(tmp) / "spill"))
         producer.log_step(0, **step_fields(0))
         assert producer.flush(30), "the broker did not take the warm-up record"
@@ -227,13 +237,65 @@ def run_case(library: str, case: str, seconds: float, bootstrap: str) -> dict:
 
 # -- the driver --------------------------------------------------------------------------
 
-def measure(library: str, case: str, seconds: float, bootstrap: str, client: str) -> dict:
+def measure(library: str, case: str, seconds: float, bootstrap: str, client: str,
+            relay_ranks: int = RELAY_RANKS) -> dict:
     env = dict(os.environ, TRAINMON_KAFKA_CLIENT=client)
-    done = subprocess.run([sys.executable, __file__, "--one", library, case, str(seconds), bootstrap],
-                          env=env, capture_output=True, text=True, timeout=seconds + 300)
-    if done.returncode != 0:
-        raise SystemExit(f"{library} {case} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    command = [sys.executable, __file__, "--one", library, case, str(seconds), bootstrap]
+    if library != RELAY:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=seconds + 300)
+        if done.returncode != 0:
+            raise SystemExit(f"{library} {case} failed:\n{done.stderr[-3000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+    ranks = 1 if case == "tight" else relay_ranks  # (tight loops would only fight for the cores)
+    with tempfile.TemporaryDirectory(prefix="trainmon-relay-") as tmp:
+        path = os.path.join(tmp, "relay.sock")
+        relay = subprocess.Popen([sys.executable, "-m", "trainmon", "relay", "--socket", path],
+                                 env=dict(env, TRAINMON_KAFKA_BOOTSTRAP=bootstrap),
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not os.path.exists(path):
+                if relay.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"the relay did not start:\n{relay.stderr.read()[-3000:]}")
+                time.sleep(0.05)
+            relay_before = process_cpu_s(relay.pid)
+            running = [subprocess.Popen(command, env=dict(env, TRAINMON_RELAY=path, BENCH_RANK=str(rank)),
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                       for rank in range(ranks)]
+            outputs = [p.communicate(timeout=seconds + 300) for p in running]
+            relay_s = process_cpu_s(relay.pid) - relay_before
+        finally:
+            relay.terminate()
+            relay.wait(30)
+    for process, (_, err) in zip(running, outputs):
+        if process.returncode != 0:
+            raise SystemExit(f"{library} {case} failed:\n{err[-3000:]}")
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    return merge_ranks(results, relay_s)
+
+
+def merge_ranks(results: list[dict], relay_s: float) -> dict:
+    """Ranks that shared a relay -> one rank's figures: its mean CPU plus its share of the
+    relay's; the mean caller time and the worst p99."""
+    ranks = len(results)
+    mean = statistics.fmean
+    return {"cpu_s": (sum(r["cpu_s"] for r in results) + relay_s) / ranks,
+            "elapsed_s": mean(r["elapsed_s"] for r in results), "steps": mean(r["steps"] for r in results),
+            "threads": results[0]["threads"], "ranks": ranks, "relay_cpu_s": relay_s / ranks,
+            "mean_us": mean(r["mean_us"] for r in results) if results[0]["mean_us"] is not None else None,
+            "p99_us": max(r["p99_us"] for r in results) if results[0]["p99_us"] is not None else None}
+
+
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds of every thread of a process, at nanosecond resolution (/proc schedstat)."""
+    total = 0
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except (OSError, ValueError, IndexError):  # (a thread that ended meanwhile)
+            pass
+    return total / 1e9
 
 
 def per_step_us(r: dict) -> float:
@@ -254,6 +316,8 @@ def main() -> None:
                         help="length of each paced and idle case (default 20)")
     parser.add_argument("--client", default="confluent-kafka", choices=["confluent-kafka", "kafka-python"],
                         help="trainmon's transport (default confluent-kafka)")
+    parser.add_argument("--relay-ranks", type=int, default=RELAY_RANKS,
+                        help="rank processes sharing the relay in the trainmon-relay cases (default %(default)s)")
     parser.add_argument("--libraries", default=",".join(LIBRARIES),
                         help=f"which to measure, comma-separated (default {','.join(LIBRARIES)})")
     parser.add_argument("--one", nargs=4, help=argparse.SUPPRESS)
@@ -274,7 +338,8 @@ def main() -> None:
         for case in cases:
             for library in libraries:
                 print(f"  measuring {library} {case} ...", file=sys.stderr, flush=True)
-                results[(library, case)] = measure(library, case, args.seconds, bootstrap, args.client)
+                results[(library, case)] = measure(library, case, args.seconds, bootstrap, args.client,
+                                                   args.relay_ranks)
     report(results, libraries, args.client, load_before, load())
 
 
@@ -300,28 +365,36 @@ def report(results: dict, libraries: list[str], client: str, load_before: str, l
         print(f"  caller at {label}, mean / p99 us: " + "; ".join(
             f"{n} {results[(n, case)]['mean_us']:.1f} / {results[(n, case)]['p99_us']:.1f}" for n in libraries))
 
-    if "trainmon" not in libraries:
-        return
-    print("targets:")
+    if RELAY in libraries:
+        shares = "; ".join(f"{case} {results[(RELAY, case)]['relay_cpu_s'] / max(1, results[(RELAY, case)]['steps']) * 1e6:.0f} us"
+                           + f" ({results[(RELAY, case)]['ranks']} rank(s))" for case in [*map(str, RATES), "tight"])
+        print(f"  {RELAY}: the relay's share per rank step (included above): {shares}")
+    for ours in OURS:
+        if ours in libraries:
+            report_targets(results, libraries, ours)
+
+
+def report_targets(results: dict, libraries: list[str], ours: str) -> None:
+    print(f"targets ({ours}):")
     peers = [n for n in libraries if n in PEERS]
     for case in map(str, RATES):
-        ours = per_step_us(results[("trainmon", case)])
+        own = per_step_us(results[(ours, case)])
         if peers:
             cheapest = min(peers, key=lambda n: per_step_us(results[(n, case)]))
-            ratio = ours / per_step_us(results[(cheapest, case)])
+            ratio = own / per_step_us(results[(cheapest, case)])
             print(f"  CPU per step at {case} steps/s <= 1/2 of the cheapest peer's ({cheapest}): "
                   f"{ratio:.2f}x ({'met' if ratio <= 0.5 else 'MISSED'})")
         if case in ("1", "10") and "wandb" in libraries:
-            ratio = ours / per_step_us(results[("wandb", case)])
+            ratio = own / per_step_us(results[("wandb", case)])
             print(f"  CPU per step at {case} steps/s <= 1/10 of wandb's: {ratio:.2f}x "
                   f"({'met' if ratio <= 0.1 else 'MISSED'})")
-    idle = core_pct(results[("trainmon", "idle")])
+    idle = core_pct(results[(ours, "idle")])
     print(f"  idle <= 0.02 % of a core: {idle:.3f} % ({'met' if idle <= 0.02 else 'MISSED'})")
-    tight = results[("trainmon", "tight")]
+    tight = results[(ours, "tight")]
     print(f"  caller p99 <= 20 us (tight loop): {tight['p99_us']:.1f} us "
           f"({'met' if tight['p99_us'] <= 20 else 'MISSED'})")
     for case in map(str, RATES):
-        p99 = results[("trainmon", case)]["p99_us"]
+        p99 = results[(ours, case)]["p99_us"]
         floor = f"; a no-op call's: {results[(FLOOR, case)]['p99_us']:.1f} us" if FLOOR in libraries else ""
         print(f"  caller p99 <= 20 us at {case} steps/s: {p99:.1f} us ({'met' if p99 <= 20 else 'MISSED'}{floor})")
 

@@ -89,3 +89,10 @@ def test_targets_against_the_cheapest_peer_and_wandb(capsys):
     assert verdict("caller p99 <= 20 us at 1 steps/s").endswith("5.0 us (met; a no-op call's: 13.0 us)")
     assert verdict("caller p99 <= 20 us at 10 steps/s").endswith("30.0 us (MISSED; a no-op call's: 13.0 us)")
     assert any("trainmon" in line and "rdk:main 1.00/s 25 us/s" in line for line in lines)
+
+
+def test_ranks_sharing_a_relay_each_count_their_share_of_its_cpu():
+    merged = po.merge_ranks([_case(0.002, 20, p99_us=5.0), _case(0.004, 20, p99_us=9.0)], relay_s=0.002)
+    assert merged["cpu_s"] == pytest.approx(0.004)  # (0.002 + 0.004 + the relay's 0.002) / 2 ranks
+    assert merged["relay_cpu_s"] == pytest.approx(0.001) and merged["ranks"] == 2
+    assert merged["p99_us"] == 9.0 and merged["steps"] == 20  # the worst rank's p99

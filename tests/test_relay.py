@@ -68,6 +68,7 @@ class RelayThread:
 
     def close(self) -> None:
         self.stop.set()
+        self.relay.wake()
         self.thread.join(30)
         assert not self.thread.is_alive()
 

@@ -28,6 +28,7 @@ import argparse
 import logging
 import os
 import selectors
+import signal
 import socket
 import threading
 import time
@@ -41,6 +42,7 @@ from . import frames
 log = logging.getLogger("trainmon.relay")
 
 DEFAULT_WINDOW_S = 0.05
+_ANSWER_WAIT_S = 0.02  # the longest one wait for Kafka's answers keeps the ranks' frames waiting
 _READ_BYTES = 1 << 16
 
 
@@ -62,11 +64,8 @@ class _Connection:
     open: bool = True
 
 
-@dataclass
-class _Pending:
-    """One (topic, key, schema)'s messages gathered in the current window."""
-    first_at: float
-    members: list[tuple[_Connection, int, bytes]] = field(default_factory=list)  # (connection, id, value)
+_Member = tuple[_Connection, int, bytes]  # a rank's message: its connection, its id, the value
+_WAKE = "wake"  # the selector's data for the wake-up socket
 
 
 @dataclass
@@ -96,9 +95,14 @@ class Relay:
             "request.timeout.ms": min(4000, delivery_timeout_ms)})
         self.stats = RelayStats()
         self._selector = selectors.DefaultSelector()
-        self._pending: dict[tuple[str, bytes, bytes], _Pending] = {}
-        self._deliveries: list[tuple[Delivery, list[tuple[_Connection, int, bytes]]]] = []
+        # The current window's messages by (topic, key, schema fingerprint), in arrival order.
+        self._pending: dict[tuple[str, bytes, bytes], list[_Member]] = {}
+        self._window_started: float | None = None
+        self._deliveries: list[tuple[Delivery, list[_Member]]] = []
         self._listener: socket.socket | None = None
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_w.setblocking(False)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
 
     # -- the loop ------------------------------------------------------------------------
 
@@ -127,29 +131,53 @@ class Relay:
             self.listen()
         try:
             while not stop.is_set():
-                self.step(self._wait_s())
+                self.step(None if not self._deliveries else _ANSWER_WAIT_S)
         finally:
             self.close()
 
-    def step(self, timeout: float) -> None:
-        """Take what arrived (waiting up to ``timeout``), send due windows, answer."""
+    @property
+    def wake_fd(self) -> int:
+        """A non-blocking descriptor whose write ends the loop's wait (signal.set_wakeup_fd)."""
+        return self._wake_w.fileno()
+
+    def wake(self) -> None:
+        """End the current wait (from another thread, or a signal: see main)."""
+        try:
+            self._wake_w.send(b"\0")
+        except OSError:  # (full: it wakes anyway)
+            pass
+
+    def step(self, timeout: float | None) -> None:
+        """One round: wait up to ``timeout`` (None: until something comes) for ranks' frames
+        or Kafka's answers; once a frame came, sleep out the window and take what the other
+        ranks sent meanwhile; send it; pass Kafka's answers on. A window costs this thread
+        three wake-ups however many ranks send in it: the first frame, the window's end,
+        Kafka's answer."""
+        if self._deliveries:
+            # Kafka's answer comes within milliseconds: wait in the client, which returns at
+            # its report (polling for it would wake this thread every few ms). The ranks'
+            # frames meanwhile wait in their sockets, read right after.
+            self.kafka.poll(timeout)
+            timeout = 0.0
+        self._take(timeout)
+        if self._window_started is not None:
+            wait = self._window_started + self.window_s - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+                self._take(0.0)
+            self._send_pending()
+        self._answer()
+
+    def _take(self, timeout: float | None) -> None:
         for key, events in self._selector.select(timeout):
             if key.data is None:
                 self._accept()
+            elif key.data is _WAKE:
+                self._wake_r.recv(4096)
             elif events & selectors.EVENT_READ:
                 self._read(key.data)
-            if key.data is not None and events & selectors.EVENT_WRITE:
+            if isinstance(key.data, _Connection) and events & selectors.EVENT_WRITE:
                 self._write(key.data)
-        self._send_due(time.monotonic())
-        self._answer()
-
-    def _wait_s(self) -> float:
-        if self._deliveries:
-            return 0.005  # Kafka's answer comes within milliseconds; it is polled for
-        if self._pending:
-            first = min(p.first_at for p in self._pending.values())
-            return max(0.0, first + self.window_s - time.monotonic())
-        return 1.0
 
     # -- ranks ---------------------------------------------------------------------------
 
@@ -173,14 +201,13 @@ class Relay:
             self._drop(conn)
             return
         conn.received += data
-        now = time.monotonic()
         try:
             for frame in frames.split(conn.received):
                 kind = frame[:1]
                 if kind == frames.HELLO:
                     conn.fingerprint = frame[1:]
                 elif kind == frames.ENTRY:
-                    self._take(conn, *frames.parse_entry(frame), now)
+                    self._gather(conn, *frames.parse_entry(frame))
                 else:
                     raise frames.FrameError(f"a frame of type {kind!r}")
         except (frames.FrameError, UnicodeDecodeError) as exc:
@@ -189,12 +216,10 @@ class Relay:
                       "producer's frame (%s)", exc)
             self._drop(conn)
 
-    def _take(self, conn: _Connection, entry_id: int, topic: str, key: bytes, value: bytes, now: float) -> None:
-        group = (topic, key, conn.fingerprint or b"")
-        pending = self._pending.get(group)
-        if pending is None:
-            pending = self._pending[group] = _Pending(now)
-        pending.members.append((conn, entry_id, value))
+    def _gather(self, conn: _Connection, entry_id: int, topic: str, key: bytes, value: bytes) -> None:
+        if self._window_started is None:
+            self._window_started = time.monotonic()
+        self._pending.setdefault((topic, key, conn.fingerprint or b""), []).append((conn, entry_id, value))
         self.stats.entries += 1
 
     def _drop(self, conn: _Connection) -> None:
@@ -205,17 +230,16 @@ class Relay:
         except (KeyError, ValueError):
             pass
         conn.sock.close()
-        for group, pending in list(self._pending.items()):
-            pending.members = [m for m in pending.members if m[0] is not conn]
-            if not pending.members:
+        for group, members in list(self._pending.items()):
+            members[:] = [m for m in members if m[0] is not conn]
+            if not members:
                 del self._pending[group]
 
     # -- Kafka ---------------------------------------------------------------------------
 
-    def _send_due(self, now: float, everything: bool = False) -> None:
-        for group in [g for g, p in self._pending.items() if everything or now - p.first_at >= self.window_s]:
-            topic, key, fingerprint = group
-            members = self._pending.pop(group).members
+    def _send_pending(self) -> None:
+        pending, self._pending, self._window_started = self._pending, {}, None
+        for (topic, key, fingerprint), members in pending.items():
             headers = [(SCHEMA_HEADER, fingerprint)] if fingerprint else None
             for chunk in _chunks(members):
                 value = pack([value for _, _, value in chunk])
@@ -271,14 +295,14 @@ class Relay:
                 os.unlink(self.path)
             except FileNotFoundError:
                 pass
-        self._send_due(time.monotonic(), everything=True)
+        self._send_pending()
         deadline = time.monotonic() + self.close_timeout_s
         while self._deliveries and time.monotonic() < deadline:
             self.kafka.poll(0.05)
             self._answer()
         for key in list(self._selector.get_map().values()):
             conn = key.data
-            if conn is not None:
+            if isinstance(conn, _Connection):
                 if conn.unsent:  # the last answers, best effort
                     conn.sock.setblocking(True)
                     conn.sock.settimeout(1.0)
@@ -288,9 +312,11 @@ class Relay:
                         pass
                 self._drop(conn)
         self._selector.close()
+        self._wake_r.close()
+        self._wake_w.close()
 
 
-def _chunks(members: list[tuple[_Connection, int, bytes]]):
+def _chunks(members: list[_Member]):
     """Members in order, in runs that fit one Kafka message (records and bytes)."""
     chunk, records, size = [], 0, 0
     for member in members:
@@ -320,6 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     relay = Relay(args.socket or default_socket_path(), window_s=args.window_ms / 1000)
     relay.listen()
     log.info("trainmon relay: listening at %s (window %.0f ms)", relay.path, args.window_ms)
-    relay.run(stop_on_signals())
+    stop = stop_on_signals()
+    signal.set_wakeup_fd(relay.wake_fd)  # a signal ends the loop's wait
+    relay.run(stop)
     log.info("trainmon relay: stopped: %s", relay.stats)
     return 0
