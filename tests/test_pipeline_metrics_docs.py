@@ -24,7 +24,8 @@ DOC = (REPO / "docs" / "metrics.md").read_text()
 # A sink's own metrics, by the module that defines them.
 SINK_MODULES = {"clickhouse": "trainmon/consumers/clickhouse/loader.py",
                 "alerts": "trainmon/consumers/alerts/service.py",
-                "notify": "trainmon/consumers/notify/sink.py"}
+                "notify": "trainmon/consumers/notify/sink.py",
+                "relay": "trainmon/relay/server.py"}
 METRIC = re.compile(r"\b((?:trainmon|process)_[a-z0-9_]+)")
 
 

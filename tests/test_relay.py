@@ -18,10 +18,11 @@ import pytest
 from trainmon import topics
 from trainmon.producer import Producer, ProducerConfig
 from trainmon.relay import frames
-from trainmon.relay.server import Relay
+from trainmon.relay.server import Relay, serve_metrics
 from trainmon.schemas import SCHEMA_HEADER, schema_fingerprint, unpack
 
 from .conftest import read_records, read_topic
+from .metrics_support import scrape
 from .waiting import wait_until
 
 RANKS = 4
@@ -101,6 +102,7 @@ def event_ids(records) -> list[str]:
 def test_a_nodes_ranks_reach_kafka_through_the_relay_packed_across_ranks(
         make_producer, bootstrap, topic_prefix, relay_path):
     relay = RelayThread(relay_path, bootstrap)
+    metrics = serve_metrics(relay.relay, 0, "127.0.0.1")
     try:
         producers = ranks(make_producer, relay_path, "relay-run")
         logged = log_steps(producers, range(30))
@@ -117,7 +119,12 @@ def test_a_nodes_ranks_reach_kafka_through_the_relay_packed_across_ranks(
         assert all(m.key == topics.record_key("relay-run") for m in messages)
     finally:
         relay.close()
-    assert relay.relay.stats.records == logged and relay.relay.stats.kafka_messages < relay.relay.stats.entries
+    samples = scrape(metrics.port)  # its endpoint: what it took and sent
+    metrics.close()
+    assert samples.value("trainmon_relay_records_total") == logged
+    assert samples.value("trainmon_relay_connections_total") == RANKS
+    assert 0 < samples.value("trainmon_relay_kafka_messages_total") < samples.value("trainmon_relay_messages_total")
+    assert samples.value("trainmon_relay_failed_total") == 0
     assert not os.path.exists(relay_path)  # removed at its stop
 
 

@@ -30,6 +30,7 @@ import os
 import selectors
 import signal
 import socket
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -332,6 +333,30 @@ def _chunks(members: list[_Member]):
         yield chunk
 
 
+# RelayStats field -> (Prometheus counter, without _total; help), served with --metrics-port
+METRICS = {
+    "connections": ("trainmon_relay_connections", "Rank connections accepted"),
+    "entries": ("trainmon_relay_messages", "Messages taken from ranks (each one or more records)"),
+    "records": ("trainmon_relay_records", "Records sent to Kafka"),
+    "kafka_messages": ("trainmon_relay_kafka_messages", "Kafka messages sent, each packing ranks' messages"),
+    "failed": ("trainmon_relay_failed", "Rank messages answered FAILED: Kafka gave up on them, the ranks "
+                                        "keep them and send them again"),
+    "refused": ("trainmon_relay_refused_connections", "Connections closed for sending what is not a "
+                                                      "trainmon producer's frame"),
+}
+
+
+def serve_metrics(relay: Relay, port: int, addr: str):
+    """The relay's counters (and its process's memory, files, CPU) at http://ADDR:PORT/metrics;
+    the ServiceMetrics serving them (``.port``, ``.close()``)."""
+    from ..consumers.metrics import ServiceMetrics  # prometheus-client: trainmon[runtime]
+
+    metrics = ServiceMetrics("relay")
+    metrics.counters_from(relay.stats.__dict__, METRICS)
+    metrics.serve(port, addr)
+    return metrics
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trainmon relay", description=__doc__.splitlines()[0])
     parser.add_argument("--socket", default=None,
@@ -339,15 +364,30 @@ def main(argv: list[str] | None = None) -> int:
                              f"else {default_socket_path({})})")
     parser.add_argument("--window-ms", type=float, default=DEFAULT_WINDOW_S * 1000,
                         help="how long a message waits for the other ranks' (default: %(default)s)")
+    parser.add_argument("--metrics-port", type=int, default=os.environ.get("TRAINMON_METRICS_PORT") or None,
+                        metavar="PORT", help="serve Prometheus metrics at http://ADDR:PORT/metrics (needs "
+                                             "trainmon[runtime]; default: $TRAINMON_METRICS_PORT, else none)")
+    parser.add_argument("--metrics-listen", default=os.environ.get("TRAINMON_METRICS_LISTEN", "127.0.0.1"),
+                        metavar="ADDR", help="the metrics endpoint's address (default: %(default)s)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    from ..consumers.runtime import stop_on_signals
-
     relay = Relay(args.socket or default_socket_path(), window_s=args.window_ms / 1000)
+    metrics = None
+    if args.metrics_port is not None:
+        try:
+            metrics = serve_metrics(relay, args.metrics_port, args.metrics_listen)
+        except ModuleNotFoundError as exc:
+            print(f"trainmon relay: --metrics-port needs {exc.name!r}: pip install 'trainmon[runtime]'",
+                  file=sys.stderr)
+            return 2
     relay.listen()
     log.info("trainmon relay: listening at %s (window %.0f ms)", relay.path, args.window_ms)
-    stop = stop_on_signals()
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
     signal.set_wakeup_fd(relay.wake_fd)  # a signal ends the loop's wait
     relay.run(stop)
     log.info("trainmon relay: stopped: %s", relay.stats)
+    if metrics is not None:
+        metrics.close()
     return 0
