@@ -1,6 +1,7 @@
 """Hosts on one machine, for real: the stack on one network namespace with `trainmon up
 --listen`, a 2-node x 2-rank torchrun job (gloo, CPU) on two others, configured only by
-the env lines `up` printed and its CA file; then clients the stack must refuse."""
+the env lines `up` printed and its CA file (one node's ranks through the node's relay);
+then clients the stack must refuse."""
 
 from __future__ import annotations
 
@@ -86,10 +87,18 @@ def test_a_two_node_job_logs_through_a_secured_stack_and_strangers_are_refused(t
             assert job_env["TRAINMON_KAFKA_SASL_USERNAME"] == "writer"
             assert job_env["TRAINMON_KAFKA_BOOTSTRAP"].startswith(address)
 
+            # node1's ranks send through the node's relay (trainmon relay), node0's each
+            # with its own Kafka client: both reach the secured stack the same.
+            relay_env = on_node(job_env, tmp_path / "node1")
+            relay_socket = str(tmp_path / "node1" / "relay.sock")
+            relay = hosts.popen("node1", [sys.executable, "-m", "trainmon", "relay", "--socket", relay_socket],
+                                env=relay_env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             nodes = []
             for rank, node in enumerate(["node0", "node1"]):
                 env = {**on_node(job_env, tmp_path / node), "TRAINMON_RUN_ID": "two-nodes",
                        "JOB_STEPS": str(STEPS)}
+                if node == "node1":
+                    env["TRAINMON_RELAY"] = relay_socket
                 nodes.append(hosts.popen(node, [
                     sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
                     "--node-rank", str(rank), "--master-addr", hosts.address["node0"],
@@ -99,6 +108,9 @@ def test_a_two_node_job_logs_through_a_secured_stack_and_strangers_are_refused(t
             for node, output in zip(nodes, outputs):
                 assert node.returncode == 0, output[-3000:]
             assert sum(output.count("delivered=True") for output in outputs) == RANKS, outputs
+            relay.terminate()
+            relay_log = relay.communicate(timeout=60)[0]
+            assert relay.returncode == 0 and "connections=2" in relay_log, relay_log[-3000:]
 
             expected = [{"rank": rank, "steps": STEPS, "rows": STEPS} for rank in range(RANKS)]
             wait_for_rows(hosts, stack_dir,

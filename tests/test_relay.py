@@ -186,3 +186,28 @@ def test_a_connection_sending_garbage_is_closed_and_the_other_ranks_go_on(
     finally:
         relay.close()
     assert relay.relay.stats.refused == 1
+
+
+def test_a_forked_child_that_logs_connects_anew_and_the_parent_goes_on(
+        make_producer, bootstrap, topic_prefix, relay_path):
+    """A DataLoader worker is a fork of its rank: it must not write into the parent's
+    connection, or the relay would read one stream of two processes' frames (the worker
+    makes a fresh transport in a child: producer/worker.py, _reset)."""
+    relay = RelayThread(relay_path, bootstrap)
+    try:
+        [producer] = ranks(make_producer, relay_path, "relay-fork")[:1]
+        logged = log_steps([producer], range(3))
+        assert producer.flush(30)
+        child = os.fork()
+        if child == 0:  # the child logs through the inherited producer, then exits at once
+            code = 0 if producer.log_step(100, loss=1.0) and producer.flush(30) else 1
+            os._exit(code)
+        logged += log_steps([producer], range(3, 6))
+        assert producer.flush(30)
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        records = read_records(bootstrap, topic_prefix, "step", logged + 1)
+        assert sorted(r.step for r in records) == [*range(6), 100]
+    finally:
+        relay.close()
+    assert relay.relay.stats.refused == 0 and relay.relay.stats.connections == 2
