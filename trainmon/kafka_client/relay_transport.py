@@ -48,6 +48,7 @@ class RelayTransport:
         # id -> (entry, sent at, its failure handler or None for the transport's own); in id order
         self._waiting: dict[int, tuple[Entry, float, Undelivered | None]] = {}
         self._last_id = 0
+        self._broken: str | None = None  # why the connection broke, until serve reports its messages
         self._said_away = False
         self.dropped = 0
         self.on_ack: Callable[[], None] | None = None
@@ -57,6 +58,10 @@ class RelayTransport:
         return len(self._waiting)
 
     def send(self, entry: Entry, on_undelivered: Undelivered | None = None) -> None:
+        if self._broken is not None:
+            # The messages in flight on the broken connection are reported (at the next
+            # serve) before anything goes over a new one: the worker keeps them first.
+            raise TransportUnavailable(self._broken)
         if self._sock is None:
             self._connect()
         if len(self._unsent) > _MAX_UNSENT_BYTES:
@@ -69,26 +74,34 @@ class RelayTransport:
         self._unsent += frames.entry(self._last_id, topic, key, value)
         self._waiting[self._last_id] = (entry, time.monotonic(), on_undelivered)
         self._write()
+        if self._broken is not None:  # this write found the connection broken
+            del self._waiting[self._last_id]
+            raise TransportUnavailable(self._broken)
 
     def serve(self, timeout: float = 0.0) -> None:
         """Collect the relay's answers (waiting up to ``timeout`` for some while messages are
-        in flight); a failed message goes to its failure handler."""
+        in flight); a failed message goes to its failure handler. Failures are reported
+        here only, never from ``send`` (as librdkafka reports them from its poll)."""
+        if self._broken is not None:
+            self._lost(self._broken)
         if self._sock is not None:
             self._write()
-            if timeout > 0 and self._waiting:
+            if timeout > 0 and self._waiting and self._broken is None:
                 select.select([self._sock], [], [], timeout)
             self._read()
+        if self._broken is not None:
+            self._lost(self._broken)
         self._give_up_on_old()
 
     def flush(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        while self._waiting and self._sock is not None and time.monotonic() < deadline:
+        while self._waiting and time.monotonic() < deadline:
             self.serve(min(0.05, max(0.0, deadline - time.monotonic())))
         return not self._waiting
 
     def close(self, timeout: float) -> None:
         self.flush(timeout)
-        self._lost("the producer closed with messages unanswered" if self._waiting else None)
+        self._lost(self._broken or "the producer closed with messages unanswered")
 
     # -- the connection --------------------------------------------------------------------
 
@@ -120,7 +133,7 @@ class RelayTransport:
         except (BlockingIOError, InterruptedError):
             return
         except OSError as exc:
-            self._lost(f"writing to the relay failed: {exc}")
+            self._break(f"writing to the relay failed: {exc}")
             return
         del self._unsent[:written]
 
@@ -131,16 +144,16 @@ class RelayTransport:
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:
-                self._lost(f"reading from the relay failed: {exc}")
-                return
+                self._break(f"reading from the relay failed: {exc}")
+                break
             if not data:
-                self._lost("the relay closed the connection")
-                return
+                self._break("the relay closed the connection")
+                break
             self._received += data
         try:
             answered = [a for frame in frames.split(self._received) for a in frames.parse_answers(frame)]
         except frames.FrameError as exc:
-            self._lost(f"the relay sent what is not an answer: {exc}")
+            self._break(f"the relay sent what is not an answer: {exc}")
             return
         for entry_id, status in answered:
             item = self._waiting.pop(entry_id, None)
@@ -158,13 +171,19 @@ class RelayTransport:
             if time.monotonic() - sent_at > self._answer_within_s:
                 self._lost(f"the relay did not answer within {self._answer_within_s:.0f} s")
 
-    def _lost(self, reason: str | None) -> None:
-        """Drop the connection; every message in flight goes to its failure handler, in order."""
+    def _break(self, reason: str) -> None:
+        """Close the connection; its messages in flight are reported at the next serve."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
         self._unsent.clear()
         self._received.clear()
+        self._broken = reason
+
+    def _lost(self, reason: str) -> None:
+        """Drop the connection; every message in flight goes to its failure handler, in order."""
+        self._break(reason)
+        self._broken = None
         waiting, self._waiting = self._waiting, {}
         if not waiting:
             return
