@@ -16,8 +16,8 @@ own, one after the other, trainmon against a broker:
 - ``trainmon-relay``: trainmon through a node's relay (``trainmon relay``, its own process,
   started per case): ``--relay-ranks`` rank processes (8, a node's GPUs; 1 for the tight
   loop) log at once through one relay, and each rank's figure is its own process's CPU
-  plus its share of the relay's (all of the relay's CPU while the ranks ran, start-up and
-  close included, divided by the ranks).
+  plus its share of the relay's: the relay's CPU per second over the interval all ranks
+  were measuring (sampled from /proc), times a rank's interval, divided by the ranks.
 
 It prints each figure, the machine's load average, the ratios of trainmon to the cheapest
 peer and to wandb, and the targets (issue 30) with met / missed.
@@ -231,6 +231,7 @@ def run_case(library: str, case: str, seconds: float, bootstrap: str) -> dict:
         close()
     timings.sort()
     return {"cpu_s": cpu, "elapsed_s": elapsed, "steps": steps, "threads": threads,
+            "t0": t0, "t1": t0 + elapsed,  # (CLOCK_MONOTONIC: the same in every process)
             "mean_us": statistics.fmean(timings) if timings else None,
             "p99_us": percentile(timings, 99) if timings else None}
 
@@ -258,12 +259,15 @@ def measure(library: str, case: str, seconds: float, bootstrap: str, client: str
                 if relay.poll() is not None or time.monotonic() > deadline:
                     raise SystemExit(f"the relay did not start:\n{relay.stderr.read()[-3000:]}")
                 time.sleep(0.05)
-            relay_before = process_cpu_s(relay.pid)
             running = [subprocess.Popen(command, env=dict(env, TRAINMON_RELAY=path, BENCH_RANK=str(rank)),
                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                        for rank in range(ranks)]
-            outputs = [p.communicate(timeout=seconds + 300) for p in running]
-            relay_s = process_cpu_s(relay.pid) - relay_before
+            # The relay's CPU over time, to take the interval every rank measured.
+            relay_cpu = [(time.monotonic(), process_cpu_s(relay.pid))]
+            while any(p.poll() is None for p in running):
+                time.sleep(0.2)
+                relay_cpu.append((time.monotonic(), process_cpu_s(relay.pid)))
+            outputs = [p.communicate(timeout=60) for p in running]
         finally:
             relay.terminate()
             relay.wait(30)
@@ -271,12 +275,32 @@ def measure(library: str, case: str, seconds: float, bootstrap: str, client: str
         if process.returncode != 0:
             raise SystemExit(f"{library} {case} failed:\n{err[-3000:]}")
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
+    relay_s = relay_cpu_while_measured(relay_cpu, results)
     return merge_ranks(results, relay_s)
+
+
+def relay_cpu_while_measured(samples: list[tuple[float, float]], results: list[dict]) -> float:
+    """The relay's CPU seconds over one rank's measured interval: its CPU per second over
+    the interval every rank was measuring (their start-up and close left out, as each
+    rank's own are), times that interval's mean length. ``samples``: (monotonic, CPU s)."""
+    start, end = max(r["t0"] for r in results), min(r["t1"] for r in results)
+    if end <= start:
+        raise SystemExit("the ranks sharing the relay did not measure at the same time")
+
+    def cpu_at(t: float) -> float:
+        for (t_a, c_a), (t_b, c_b) in zip(samples, samples[1:]):
+            if t_a <= t <= t_b:
+                return c_a + (c_b - c_a) * (t - t_a) / (t_b - t_a) if t_b > t_a else c_b
+        raise SystemExit("the relay's CPU was not sampled over the ranks' interval")
+
+    per_second = (cpu_at(end) - cpu_at(start)) / (end - start)
+    return per_second * statistics.fmean(r["elapsed_s"] for r in results)
 
 
 def merge_ranks(results: list[dict], relay_s: float) -> dict:
     """Ranks that shared a relay -> one rank's figures: its mean CPU plus its share of the
-    relay's; the mean caller time and the worst p99."""
+    relay's (``relay_s``: the relay's CPU over one rank's interval); the mean caller time
+    and the worst p99."""
     ranks = len(results)
     mean = statistics.fmean
     return {"cpu_s": (sum(r["cpu_s"] for r in results) + relay_s) / ranks,

@@ -96,3 +96,14 @@ def test_ranks_sharing_a_relay_each_count_their_share_of_its_cpu():
     assert merged["cpu_s"] == pytest.approx(0.004)  # (0.002 + 0.004 + the relay's 0.002) / 2 ranks
     assert merged["relay_cpu_s"] == pytest.approx(0.001) and merged["ranks"] == 2
     assert merged["p99_us"] == 9.0 and merged["steps"] == 20  # the worst rank's p99
+
+
+def test_the_relays_cpu_is_taken_over_the_interval_every_rank_measured():
+    # The relay burns 0.01 s per second; two ranks measured 10-20 s and 11-21 s (10 s each).
+    samples = [(t, 0.5 + 0.01 * t) for t in range(0, 31)]
+    samples[0] = (0.0, 0.0)  # its start-up, before any rank measured, is left out
+    ranks = [{"t0": 10.0, "t1": 20.0, "elapsed_s": 10.0}, {"t0": 11.0, "t1": 21.0, "elapsed_s": 10.0}]
+    assert po.relay_cpu_while_measured(samples, ranks) == pytest.approx(0.1)
+    with pytest.raises(SystemExit, match="same time"):
+        po.relay_cpu_while_measured(samples, [{"t0": 0.0, "t1": 5.0, "elapsed_s": 5.0},
+                                              {"t0": 6.0, "t1": 9.0, "elapsed_s": 3.0}])
