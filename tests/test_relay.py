@@ -11,11 +11,11 @@ import socket
 import subprocess
 import sys
 import threading
-from pathlib import Path
 
 import pytest
 
 from trainmon import topics
+from trainmon.broker import Broker, free_port
 from trainmon.producer import Producer, ProducerConfig
 from trainmon.relay import frames
 from trainmon.relay.server import Relay, serve_metrics
@@ -211,3 +211,35 @@ def test_a_forked_child_that_logs_connects_anew_and_the_parent_goes_on(
     finally:
         relay.close()
     assert relay.relay.stats.refused == 0 and relay.relay.stats.connections == 2
+
+
+@pytest.mark.kafka
+@pytest.mark.slow  # a broker of its own, killed and started again
+def test_a_broker_killed_under_the_relay_loses_nothing(tmp_path, relay_path):
+    """Kafka away behind the relay: the relay answers FAILED once Kafka gives up (its
+    delivery timeout), the ranks keep those messages in their spill files, and everything
+    arrives once the broker is back."""
+    broker = Broker(tmp_path / "kafka", port=free_port()).start()
+    relay = RelayThread(relay_path, broker.bootstrap)
+    try:
+        producers = [Producer(ProducerConfig(bootstrap="unused:9092", run_id="relay-outage", rank=rank,
+                                             world_size=2, topic_prefix="o.", relay=relay_path,
+                                             spill_dir=tmp_path / "spill"))
+                     for rank in range(2)]
+        logged = log_steps(producers, range(5))
+        assert all(p.flush(30) for p in producers)
+        broker.stop(kill=True)
+        logged += log_steps(producers, range(5, 15))
+        wait_until(lambda: all(p.spilled for p in producers), timeout=30,
+                   what="both ranks to spill what Kafka gave up on behind the relay")
+        assert relay.relay.stats.failed > 0
+        broker.start()
+        logged += log_steps(producers, range(15, 20))
+        assert all(p.flush(60) for p in producers)
+        records = read_records(broker.bootstrap, "o.", "step", logged, timeout=60)
+        assert {(r.rank, r.step) for r in records} == {(rank, s) for rank in range(2) for s in range(20)}
+        for p in producers:
+            assert p.close(30) and p.dropped == 0
+    finally:
+        relay.close()
+        broker.stop(kill=True)
