@@ -13,7 +13,9 @@ in one batch). Three packings, each sent two ways:
 - 100 steps/s per rank: 80 records per message;
 - and each through a node's relay (``trainmon relay``, its 50 ms window): the messages of
   all ``--ranks`` ranks of one pack window in one Kafka message, rank after rank, up to
-  MAX_RECORDS_PER_MESSAGE (1 step/s: 8 records, one per rank; 10 steps/s: 64).
+  MAX_RECORDS_PER_MESSAGE (1 step/s: 8 records, one per rank; 10 steps/s: 64);
+- and 1 step/s through a relay with a 3 s window (``--window-ms 3000``, not the default:
+  3 s more latency): 24 records per message.
 
 Each goes to topics under their own prefixes in one broker of this run: ``before`` (the
 topic as trainmon made it until now: the producer's compression, i.e. none), the
@@ -51,7 +53,9 @@ from trainmon.schemas import (MAX_RECORDS_PER_MESSAGE, SCHEMA_HEADER, StepRecord
 TARGET_BYTES = 100
 # packing -> (records per rank per message, through a node relay)
 PACKINGS = {"1 step/s": (1, False), "10 steps/s": (8, False), "100 steps/s": (80, False),
-            "1 step/s, relay": (1, True), "10 steps/s, relay": (8, True), "100 steps/s, relay": (80, True)}
+            "1 step/s, relay": (1, True), "10 steps/s, relay": (8, True), "100 steps/s, relay": (80, True),
+            # trainmon relay --window-ms 3000: 3 s more latency, not the default
+            "1 step/s, relay 3 s window": (3, True)}
 BROKER_COMPRESSIONS = {"zstd": {"compression.type": "zstd"},
                        "lz4": {"compression.type": "lz4"}, "gzip": {"compression.type": "gzip"}}
 

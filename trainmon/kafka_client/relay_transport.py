@@ -107,6 +107,7 @@ class RelayTransport:
 
     def _connect(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)  # a relay whose backlog is full refuses (EAGAIN), never blocks
         try:
             sock.connect(self.path)
         except OSError as exc:
@@ -116,14 +117,13 @@ class RelayTransport:
                 log.warning("trainmon: no relay at %s (%s); records wait in the spill file until "
                             "it answers", self.path, exc)
             raise TransportUnavailable(f"no relay at {self.path}: {exc}") from exc
-        sock.setblocking(False)
         from ..schemas import schema_fingerprint
 
         self._sock = sock
         self._unsent += frames.hello(schema_fingerprint())
         if self._said_away:
             self._said_away = False
-            log.warning("trainmon: the relay at %s answers again", self.path)
+            log.info("trainmon: the relay at %s answers again", self.path)
 
     def _write(self) -> None:
         if not self._unsent or self._sock is None:

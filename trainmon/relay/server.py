@@ -63,6 +63,7 @@ class _Connection:
     received: bytearray = field(default_factory=bytearray)
     unsent: bytearray = field(default_factory=bytearray)
     open: bool = True
+    watching_writes: bool = False  # registered for EVENT_WRITE: answers wait for room
 
 
 _Member = tuple[_Connection, int, bytes]  # a rank's message: its connection, its id, the value
@@ -283,8 +284,10 @@ class Relay:
                 self._drop(conn)
                 return
             del conn.unsent[:written]
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.unsent else 0)
-        self._selector.modify(conn.sock, events, conn)
+        if bool(conn.unsent) != conn.watching_writes:  # (a syscall: only when it changes)
+            conn.watching_writes = bool(conn.unsent)
+            events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.unsent else 0)
+            self._selector.modify(conn.sock, events, conn)
 
     def close(self) -> None:
         """Send what is pending, wait for Kafka's answers, pass them on, remove the socket."""
