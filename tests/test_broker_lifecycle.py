@@ -144,3 +144,13 @@ def test_no_broker_jvm_outlives_the_process_that_owns_it(sig, tmp_path):
                f"no broker JVM left after its owner got {sig.name}", pause=0.1,
                details=lambda: f"still running: {_broker_jvms(data)}")
     wait_until(lambda: not data.exists(), 5, "the throwaway broker's data directory removed")
+
+
+def test_free_ports_are_distinct_and_a_brokers_three_listeners_never_share_one():
+    from trainmon.broker import Broker, free_ports
+
+    for _ in range(50):  # picked one after another, two of nine repeated now and then (CI saw it)
+        ports = free_ports(9)
+        assert len(set(ports)) == 9
+    broker = Broker("/nonexistent-never-started", port=free_ports(1)[0])
+    assert len({broker.port, broker.controller_port, broker.internal_port}) == 3

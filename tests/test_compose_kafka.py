@@ -27,7 +27,7 @@ import yaml
 
 from tests.waiting import wait_until
 from trainmon import topics
-from trainmon.broker import classpath, free_port
+from trainmon.broker import classpath, free_ports
 from trainmon.kafka_client import create_topics
 from trainmon.kafka_client.acls import grant_stack_acls
 
@@ -92,7 +92,8 @@ def compose_kafka(tmp_path_factory):
                           env={**os.environ, "PUBLIC_HOST": "localhost", "TLS_PASSWORD": SECRETS["KAFKA_TLS_PASSWORD"]})
     assert made.returncode == 0, made.stderr
     kafka_classpath = classpath()
-    ports = {node: {name: free_port() for name in ("INTERNAL", "EXTERNAL", "CONTROLLER")} for node in NODES}
+    picked = iter(free_ports(3 * len(NODES)))  # distinct: one port twice stops a broker
+    ports = {node: {name: next(picked) for name in ("INTERNAL", "EXTERNAL", "CONTROLLER")} for node in NODES}
     procs = []
     try:
         for node in NODES:

@@ -20,6 +20,7 @@ fixtures use it.
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import hashlib
 import ipaddress
@@ -175,6 +176,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free ports. Each socket stays bound until all are picked: ports
+    picked one after another may repeat (a port just freed may be handed out again), and a
+    broker given one port twice fails to start ("Address already in use")."""
+    with contextlib.ExitStack() as bound:
+        sockets = [bound.enter_context(socket.socket()) for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in sockets]
+
+
 def _port_open(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
         s.settimeout(0.2)
@@ -233,9 +245,14 @@ class Broker:
         self._recording: Path | None = None  # the class list this start records (class_sharing)
         state = self._read_state()
         # Restarting on the same data dir keeps the same ports: clients reconnect.
-        self.port = self.port or state.get("port") or free_port()
-        self.controller_port = self.controller_port or state.get("controller_port") or free_port()
-        self.internal_port = self.internal_port or state.get("internal_port") or free_port()
+        self.port = self.port or state.get("port")
+        self.controller_port = self.controller_port or state.get("controller_port")
+        self.internal_port = self.internal_port or state.get("internal_port")
+        taken = {self.port, self.controller_port, self.internal_port}
+        fresh = (p for p in free_ports(6) if p not in taken)  # (three listeners: three ports)
+        self.port = self.port or next(fresh)
+        self.controller_port = self.controller_port or next(fresh)
+        self.internal_port = self.internal_port or next(fresh)
 
     @property
     def bootstrap(self) -> str:
