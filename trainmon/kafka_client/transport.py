@@ -3,7 +3,8 @@ not be delivered.
 
 Implementations, one module each: :mod:`.confluent_transport` on librdkafka (the
 default), :mod:`.kafka_python_transport` for machines where confluent-kafka cannot be
-installed, and :mod:`.memory_transport` for tests (as httpx ships ``MockTransport``);
+installed, and :mod:`.memory_transport` for tests (as httpx ships ``MockTransport``), and
+:mod:`.relay_transport` to the node's relay (``trainmon relay``, ``TRAINMON_RELAY``);
 :mod:`.transport_choice` picks one. Anything Kafka finally gives up on is handed to
 ``on_undelivered`` so the producer's worker can keep it: a transport never drops a
 record silently.
