@@ -87,3 +87,21 @@ def test_a_broken_connections_messages_are_reported_at_serve_in_order_before_a_n
     t.send(("t.step", b"run", b"e"))  # a new connection
     relay.accept()
     assert [value for *_, value in relay.entries(1)] == [b"e"]
+
+
+def test_a_connection_broken_with_nothing_in_flight_is_made_anew_at_the_next_send(relay):
+    """Nothing to report, so no serve may come (the worker serves only while messages are
+    in flight): the next send itself connects again, or the records would wait forever."""
+    failed: list = []
+    t = transport(relay, failed)
+    t.send(("t.step", b"run", b"a"))
+    relay.accept()
+    ((first, *_),) = relay.entries(1)
+    relay.answer([(first, frames.OK)])
+    wait_until(lambda: (t.serve(0.05), not t.in_flight)[1], what="the answer")
+    relay.conn.close()  # the relay goes away while nothing is in flight
+    with pytest.raises(TransportUnavailable, match="writing to the relay failed"):
+        t.send(("t.step", b"run", b"b"))  # (kept by the worker, which tries again after a backoff)
+    t.send(("t.step", b"run", b"b"))  # no serve in between
+    relay.accept()
+    assert [value for *_, value in relay.entries(1)] == [b"b"] and failed == []

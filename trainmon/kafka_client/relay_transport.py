@@ -59,9 +59,11 @@ class RelayTransport:
 
     def send(self, entry: Entry, on_undelivered: Undelivered | None = None) -> None:
         if self._broken is not None:
-            # The messages in flight on the broken connection are reported (at the next
-            # serve) before anything goes over a new one: the worker keeps them first.
-            raise TransportUnavailable(self._broken)
+            if self._waiting:
+                # The messages in flight on the broken connection are reported (at the next
+                # serve) before anything goes over a new one: the worker keeps them first.
+                raise TransportUnavailable(self._broken)
+            self._broken = None  # nothing to report (and no serve may come): connect anew
         if self._sock is None:
             self._connect()
         if len(self._unsent) > _MAX_UNSENT_BYTES:
