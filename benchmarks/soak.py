@@ -18,7 +18,9 @@ at its peak; and how long after the restart it had committed every message that 
 Kafka at the restart (caught up). At the end, how long each group took to lag 0.
 
 Every ~10 s the RSS, open files (``/proc/PID/fd``) and threads of each process (Kafka's
-JVM, the supervisor, each consumer) are sampled. Their slope per hour is a least-squares
+JVM, the supervisor, each consumer) are sampled. Handles a live thread keeps on its own
+procfs files are counted apart from the open files (see :func:`open_files`: chDB keeps
+three per pooled thread) and must stay within three per thread. Their slope per hour is a least-squares
 fit within each life of the process (a restarted consumer starts a new life at its own
 level, which is no growth), leaving out the start of each life (imports, caches, the JVM
 touching its heap): a minute, or a tenth of the run when longer. A slope is *flat* when it is within its noise bound: two
@@ -255,8 +257,41 @@ def processes(stack: Path) -> dict[str, int]:
     return {name: pid for name, pid in found.items() if alive(pid)}
 
 
+THREAD_HANDLES_PER_THREAD = 3  # ClickHouse's per-thread procfs files: stat, schedstat, io
+
+
+def open_files(pid: int) -> tuple[int, int]:
+    """``(open files, thread handles)`` of a process. A descriptor on ``/proc/PID/task/TID/``
+    of one of its own live threads is a thread handle, not an open file: ClickHouse (chDB)
+    opens three of them (its per-thread procfs metrics) the first time a pooled thread runs
+    part of a query, and keeps them as long as that thread lives. Their number grows until
+    every pooled thread has worked once, slowly over a long run, and never past three per
+    thread; the threads are measured as such. A handle on a thread that is gone, like any
+    other file or socket, counts as an open file, so a leak of them is still a leak."""
+    live = set(os.listdir(f"/proc/{pid}/task"))
+    own_threads = f"/proc/{pid}/task/"
+    files = handles = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith(own_threads) and target[len(own_threads):].split("/", 1)[0] in live:
+            handles += 1
+        else:
+            files += 1
+    return files, handles
+
+
+def most_thread_handles(samples: list[tuple[int, float, dict[str, float]]]) -> tuple[int, int]:
+    """``(thread handles, threads)`` of the sample with the most handles per thread."""
+    worst = max(samples, key=lambda sample: sample[2].get("thread_fds", 0) / max(sample[2]["threads"], 1))
+    return int(worst[2].get("thread_fds", 0)), int(worst[2]["threads"])
+
+
 class Sampler:
-    """RSS, open files and threads of every process of the stack, by name, with its pid."""
+    """RSS, open files and threads of every process of the stack, by name, with its pid;
+    and the handles its threads keep on their own procfs files (see :func:`open_files`)."""
 
     METRICS = ("rss_mib", "fds", "threads")
 
@@ -274,8 +309,9 @@ class Sampler:
                 proc = psutil.Process(pid)
                 with proc.oneshot():
                     cpu = proc.cpu_times()
-                    values = {"rss_mib": proc.memory_info().rss / 2**20,
-                              "fds": len(os.listdir(f"/proc/{pid}/fd")), "threads": proc.num_threads(),
+                    files, handles = open_files(pid)
+                    values = {"rss_mib": proc.memory_info().rss / 2**20, "fds": files,
+                              "threads": proc.num_threads(), "thread_fds": handles,
                               "cpu_s": cpu.user + cpu.system}
                 started = proc.create_time()
             except (psutil.Error, OSError):
@@ -590,6 +626,13 @@ def main() -> int:
                       f"  {later.slope_per_h if later else math.nan:>+12.2f}")
         if unfitted:
             print(f"  too few settled samples for a slope: {', '.join(unfitted)}")
+        bounded = []
+        for name, samples in sampler.samples.items():
+            handles, threads = most_thread_handles(samples)
+            if handles:
+                print(f"  {name:<12} thread handles (not in open files): {samples[0][2]['thread_fds']:.0f}"
+                      f"->{samples[-1][2]['thread_fds']:.0f}, at most {handles} on {threads} threads")
+            bounded.append((name, handles <= THREAD_HANDLES_PER_THREAD * threads))
         if args.samples:
             args.samples.write_text(json.dumps({"settle_s": sampler.settle_s, "samples": sampler.samples}))
         print("CPU, cores kept busy (of this machine's " + f"{os.cpu_count()}, shared with whatever else runs): "
@@ -609,6 +652,9 @@ def main() -> int:
                 f"each caught up within {CATCH_UP_TARGET_S:.0f} s of its restart: "
                 + ", ".join(f"{k.service} {k.caught_up_after_s:.0f} s" if k.caught_up_after_s is not None
                             else f"{k.service} never" for k in kills))
+        verdict(all(ok for _, ok in bounded),
+                f"thread handles <= {THREAD_HANDLES_PER_THREAD} per live thread in every sample"
+                + "".join(f": {name} has more" for name, ok in bounded if not ok))
         verdict(not grows and not unfitted, "no RSS, open files or threads of any process grows beyond its bound"
                 + (f": {', '.join(grows)} grow" if grows else "")
                 + (f"; no slope for {', '.join(unfitted)}" if unfitted else ""))

@@ -101,3 +101,40 @@ def test_the_exactly_once_query_finds_copies_and_missing_records(client):
 def test_a_kind_with_no_rows_is_none_stored():
     checks = soak.exactly_once_checks([("step", 5, 5)], {"step": 5, "gpu": 2})
     assert [(c.kind, c.stored, c.exactly_once) for c in checks] == [("gpu", 0, False), ("step", 5, True)]
+
+
+def test_a_live_threads_procfs_handles_are_counted_apart_from_open_files():
+    """This process opens its own thread's procfs files (as chDB does per pooled thread) and
+    an ordinary file: the first are thread handles, the second an open file; once the thread
+    is gone, a handle it left open counts as an open file again (a leak stays a leak)."""
+    import os
+    import threading
+
+    files_before, handles_before = soak.open_files(os.getpid())
+    opened, done = [], threading.Event()
+
+    def keep_own_stat_open():
+        opened.append(open("/proc/thread-self/stat"))
+        done.wait(10)
+
+    thread = threading.Thread(target=keep_own_stat_open)
+    thread.start()
+    try:
+        with open(__file__) as ordinary:
+            files, handles = soak.open_files(os.getpid())
+            assert (files, handles) == (files_before + 1, handles_before + 1)
+            assert ordinary.readable()
+    finally:
+        done.set()
+        thread.join()
+    try:
+        files, handles = soak.open_files(os.getpid())
+        assert (files, handles) == (files_before + 1, handles_before)
+    finally:
+        opened[0].close()
+
+
+def test_the_sample_with_most_thread_handles_per_thread_is_reported():
+    samples = [(1, 0.0, {"thread_fds": 30, "threads": 60}), (1, 10.0, {"thread_fds": 90, "threads": 40}),
+               (2, 20.0, {"thread_fds": 100, "threads": 64})]
+    assert soak.most_thread_handles(samples) == (90, 40)
