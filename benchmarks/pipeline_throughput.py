@@ -24,12 +24,14 @@ all threads), a figure that holds on a machine shared with other work.
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing as mp
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -98,6 +100,49 @@ def wait_rows(endpoint, run_id: str, expected: int, timeout: float) -> float:
             return time.perf_counter()
         time.sleep(0.1)
     raise TimeoutError(f"only {n} of {expected} rows arrived in {timeout:.0f}s")
+
+
+class RowWatcher:
+    """Counts a run's rows every ``every_s`` on a thread of its own, from ``start()`` until
+    ``stop()``: how the rows became visible over time, for :func:`steady_rate`."""
+
+    def __init__(self, endpoint, run_id: str, every_s: float = 0.1):
+        self.endpoint, self.run_id, self.every_s = endpoint, run_id, every_s
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="row-watcher", daemon=True)
+
+    def start(self) -> "RowWatcher":
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[tuple[float, int]]:
+        self._stop.set()
+        self._thread.join()
+        return self.samples
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.every_s):
+            n = int(sql(self.endpoint, f"SELECT count() FROM trainmon.step WHERE run_id = '{self.run_id}'"))
+            self.samples.append((time.perf_counter(), n))
+
+
+def steady_rate(samples: list[tuple[float, int]], total: int, low: float = 0.1, high: float = 0.9) -> float | None:
+    """Records/s while the rows went from ``low`` to ``high`` of ``total``: the rate the
+    pipeline sustained, without its start (processes getting going, the first batch
+    waiting its batch time) and its tail (the last batch). Each crossing's time is
+    interpolated between the two counts around it. None without samples on both sides."""
+    def crossing(level: float) -> float | None:
+        target = level * total
+        for (t0, n0), (t1, n1) in zip(samples, samples[1:]):
+            if n0 < target <= n1:
+                return t0 + (t1 - t0) * (target - n0) / (n1 - n0)
+        return None
+
+    began, ended = crossing(low), crossing(high)
+    if began is None or ended is None or ended <= began:
+        return None
+    return (high - low) * total / (ended - began)
 
 
 def latency_ms(endpoint, run_id: str) -> tuple[float, float, float]:
@@ -188,17 +233,21 @@ def one_run(tmp: Path, bootstrap: str, broker, producers: int, total: int, batch
                "consumer_per_cpu_s": total / drain_cpu}
         # 2. Everything at once: producers -> Kafka -> ClickHouse.
         burst_cpu = cpu_seconds(service_process)
+        watcher = RowWatcher(endpoint, "burst").start()
         log_rate, spilled, began, delivered = burst(bootstrap, prefix, "burst", producers, total, spill)
         visible = wait_rows(endpoint, "burst", total, timeout=600)
+        steady = steady_rate(watcher.stop(), total)
         burst_cpu = cpu_seconds(service_process) - burst_cpu
         p50, p99, _ = latency_ms(endpoint, "burst")
-        out.update(e2e=total / (visible - began), e2e_s=visible - began, e2e_per_cpu_s=total / burst_cpu,
+        out.update(e2e=total / (visible - began), e2e_steady=steady if steady is not None else math.nan,
+                   e2e_s=visible - began, e2e_per_cpu_s=total / burst_cpu,
                    e2e_log_rate=log_rate, e2e_spilled=spilled, e2e_delivered=total / delivered,
                    backlog_p50=p50, backlog_p99=p99, endpoint=endpoint, prefix=prefix)
         print(f"run {index + 1} of {runs}: consumer alone {out['consumer']:,.0f} records/s "
               f"({out['drain_s']:.2f} s after joining its group in {out['join_s']:.2f} s; "
               f"{out['consumer_per_cpu_s']:,.0f} per service CPU-s); end to end "
-              f"{out['e2e']:,.0f} records/s ({out['e2e_s']:.2f} s, {out['e2e_per_cpu_s']:,.0f} per service "
+              f"{out['e2e']:,.0f} records/s ({out['e2e_s']:.2f} s; {out['e2e_steady']:,.0f}/s from 10 % to 90 % "
+              f"of the rows; {out['e2e_per_cpu_s']:,.0f} per service "
               f"CPU-s); log calls {out['log_rate']:,.0f}/s, delivered to Kafka {out['delivered']:,.0f}/s; "
               f"latency under backlog p50 {p50:.0f} ms, p99 {p99:.0f} ms", flush=True)
         out["service"] = service
@@ -264,9 +313,10 @@ def main() -> int:
                 service.wait(60)
             if broker is not None:
                 broker.stop()
-    med = {k: statistics.median(r[k] for r in results) for k in ("consumer", "e2e", "consumer_per_cpu_s",
-                                                                   "e2e_per_cpu_s", "backlog_p99")}
-    each = {k: ", ".join(f"{r[k]:,.0f}" for r in results) for k in ("consumer", "e2e")}
+    med = {k: statistics.median(r[k] for r in results) for k in ("consumer", "e2e", "e2e_steady",
+                                                                   "consumer_per_cpu_s", "e2e_per_cpu_s",
+                                                                   "backlog_p99")}
+    each = {k: ", ".join(f"{r[k]:,.0f}" for r in results) for k in ("consumer", "e2e", "e2e_steady")}
     print(f"medians of {len(results)} runs:")
     print(f"  consumer alone (the service drains the topics into ClickHouse): {med['consumer']:,.0f} records/s "
           f"(runs: {each['consumer']}); "
@@ -275,6 +325,8 @@ def main() -> int:
           f"(runs: {each['e2e']}); "
           f"{med['e2e_per_cpu_s']:,.0f} records per service CPU-second; latency under backlog p99 "
           f"{med['backlog_p99']:.0f} ms")
+    print(f"  end to end while the rows went from 10 % to 90 % of the records: {med['e2e_steady']:,.0f} "
+          f"records/s (runs: {each['e2e_steady']})")
     print(f"paced: {args.paced_rate:,.0f} records/s for {args.paced_seconds:.0f} s")
     print(f"  log call -> row visible: p50 {p50:.0f} ms, p99 {p99:.0f} ms, max {worst:.0f} ms")
     print("targets (issue #30):")

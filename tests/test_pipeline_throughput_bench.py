@@ -1,0 +1,28 @@
+"""benchmarks/pipeline_throughput.py's pure part, in memory: the rate the pipeline sustained
+between 10 % and 90 % of the rows being visible."""
+
+from __future__ import annotations
+
+import pytest
+
+from .benchmark_scripts import load_benchmark
+
+bench = load_benchmark("pipeline_throughput")
+
+
+def test_the_steady_rate_leaves_out_a_slow_start_and_a_long_tail():
+    # 1,000 rows: none for 2 s (start-up), then 100 rows/s, then the last 100 after 5 s more.
+    samples = [(0.0, 0), (1.0, 0), (2.0, 0)] + [(2.0 + i, 100 * i) for i in range(1, 10)] + [(16.0, 1000)]
+    assert bench.steady_rate(samples, 1000) == pytest.approx(100.0)
+    assert 1000 / 16.0 < 100.0  # what the whole span would say
+
+
+def test_crossings_are_interpolated_between_samples():
+    samples = [(0.0, 0), (10.0, 1000)]
+    assert bench.steady_rate(samples, 1000) == pytest.approx(100.0)
+
+
+def test_no_rate_without_samples_on_both_sides():
+    assert bench.steady_rate([], 1000) is None
+    assert bench.steady_rate([(0.0, 0), (1.0, 500)], 1000) is None  # never reached 90 %
+    assert bench.steady_rate([(0.0, 950), (1.0, 1000)], 1000) is None  # the start was missed
