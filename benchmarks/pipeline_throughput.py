@@ -236,7 +236,7 @@ def one_run(tmp: Path, bootstrap: str, broker, producers: int, total: int, batch
         watcher = RowWatcher(endpoint, "burst").start()
         log_rate, spilled, began, delivered = burst(bootstrap, prefix, "burst", producers, total, spill)
         visible = wait_rows(endpoint, "burst", total, timeout=600)
-        steady = steady_rate(watcher.stop(), total)
+        steady = steady_rate([*watcher.stop(), (visible, total)], total)
         burst_cpu = cpu_seconds(service_process) - burst_cpu
         p50, p99, _ = latency_ms(endpoint, "burst")
         out.update(e2e=total / (visible - began), e2e_steady=steady if steady is not None else math.nan,

@@ -171,9 +171,7 @@ def jvm_performance_options(long_lived: bool = False) -> list[str]:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
 
 
 def free_ports(count: int) -> list[int]:

@@ -185,8 +185,9 @@ def _merge(base: dict, updates: dict) -> dict:
     return merged
 
 
-def plan(messages: list[Message], store: ProgressStore) -> tuple[dict[str, RunWork], int]:
-    """Split a batch by run and drop what each run already has. Returns (work, skipped)."""
+def plan(messages: list[Message], store: ProgressStore) -> dict[str, RunWork]:
+    """Split a batch by run and drop what each run already has (counted in each
+    ``RunWork.skipped``)."""
     works: dict[str, RunWork] = {}
     for message in messages:
         record = message.record
@@ -217,7 +218,7 @@ def plan(messages: list[Message], store: ProgressStore) -> tuple[dict[str, RunWo
             work.skipped += 1
     for work in works.values():
         work.records.sort(key=lambda r: (r.step, r.rank))
-    return works, sum(work.skipped for work in works.values())
+    return works
 
 
 # -- the sink the runtime drives ---------------------------------------------------------
@@ -281,7 +282,7 @@ class ForwardingSink(runtime.Sink):
     def flush(self) -> None:
         if not self._batch:
             return
-        works, _ = plan(self._batch, self.store)
+        works = plan(self._batch, self.store)
         waiting = self._waiting_for_start(works)
         ready = [work for run_id, work in works.items() if run_id not in waiting]
         written = [work for work in ready if not work.empty]
