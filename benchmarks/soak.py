@@ -18,10 +18,10 @@ at its peak; and how long after the restart it had committed every message that 
 Kafka at the restart (caught up). At the end, how long each group took to lag 0.
 
 Every ~10 s the RSS, open files (``/proc/PID/fd``) and threads of each process (Kafka's
-JVM, the supervisor, each consumer) are sampled. Handles a live thread keeps on its own
-procfs files are counted apart from the open files (see :func:`open_files`: chDB keeps
-three per pooled thread) and must stay within three per thread. Their slope per hour is a least-squares
-fit within each life of the process (a restarted consumer starts a new life at its own
+JVM, the supervisor, each consumer) are sampled. (Handles a live thread keeps on its own
+procfs files are counted apart from the open files, see :func:`open_files`: chDB keeps
+three per pooled thread. They must stay within three per thread.) The slope per hour of
+each is a least-squares fit within each life of the process (a restarted consumer starts a new life at its own
 level, which is no growth), leaving out the start of each life (imports, caches, the JVM
 touching its heap): a minute, or a tenth of the run when longer. A slope is *flat* when it is within its noise bound: two
 standard errors of the slope (about 95 % confidence that the true slope is inside), and
