@@ -131,11 +131,16 @@ class RowWatcher:
             self.samples.append((time.perf_counter(), n))
 
 
+STEADY_MIN_COUNTS = 3  # distinct row counts between the two crossings: fewer, and it is one or
+                       # two inserts (a batch is up to 150,000 rows), not a rate
+
+
 def steady_rate(samples: list[tuple[float, int]], total: int, low: float = 0.1, high: float = 0.9) -> float | None:
-    """Records/s while the rows went from ``low`` to ``high`` of ``total``: the rate the
-    pipeline sustained, without its start (processes getting going, the first batch
-    waiting its batch time) and its tail (the last batch). Each crossing's time is
-    interpolated between the two counts around it. None without samples on both sides."""
+    """Records/s while the rows went from ``low`` to ``high`` of ``total``: the middle of
+    the run, without its start (processes getting going, the first batch waiting its batch
+    time) and its tail (the last batch); see the module's docstring for what else it leaves
+    out. Each crossing's time is interpolated between the two counts around it. None
+    without samples on both sides, or with fewer than STEADY_MIN_COUNTS counts between."""
     def crossing(level: float) -> float | None:
         target = level * total
         for (t0, n0), (t1, n1) in zip(samples, samples[1:]):
@@ -146,7 +151,15 @@ def steady_rate(samples: list[tuple[float, int]], total: int, low: float = 0.1, 
     began, ended = crossing(low), crossing(high)
     if began is None or ended is None or ended <= began:
         return None
+    if len({n for _, n in samples if low * total < n < high * total}) < STEADY_MIN_COUNTS:
+        return None
     return (high - low) * total / (ended - began)
+
+
+def median_of_measured(values: list[float]) -> float:
+    """The median of the values that were measured (not NaN); NaN when none was."""
+    measured = [v for v in values if not math.isnan(v)]
+    return statistics.median(measured) if measured else math.nan
 
 
 def latency_ms(endpoint, run_id: str) -> tuple[float, float, float]:
@@ -317,9 +330,9 @@ def main() -> int:
                 service.wait(60)
             if broker is not None:
                 broker.stop()
-    med = {k: statistics.median(r[k] for r in results) for k in ("consumer", "e2e", "e2e_steady",
-                                                                   "consumer_per_cpu_s", "e2e_per_cpu_s",
-                                                                   "backlog_p99")}
+    med = {k: median_of_measured([r[k] for r in results]) for k in ("consumer", "e2e", "e2e_steady",
+                                                                      "consumer_per_cpu_s", "e2e_per_cpu_s",
+                                                                      "backlog_p99")}
     each = {k: ", ".join(f"{r[k]:,.0f}" for r in results) for k in ("consumer", "e2e", "e2e_steady")}
     print(f"medians of {len(results)} runs:")
     print(f"  consumer alone (the service drains the topics into ClickHouse): {med['consumer']:,.0f} records/s "

@@ -18,11 +18,23 @@ def test_the_steady_rate_leaves_out_a_slow_start_and_a_long_tail():
 
 
 def test_crossings_are_interpolated_between_samples():
-    samples = [(0.0, 0), (10.0, 1000)]
+    samples = [(0.0, 0), (2.5, 250), (5.0, 500), (7.5, 750), (10.0, 1000)]
     assert bench.steady_rate(samples, 1000) == pytest.approx(100.0)
+
+
+def test_rows_that_came_in_one_or_two_inserts_give_no_rate():
+    assert bench.steady_rate([(0.0, 0), (10.0, 1000)], 1000) is None
+    assert bench.steady_rate([(0.0, 0), (5.0, 500), (10.0, 1000)], 1000) is None
 
 
 def test_no_rate_without_samples_on_both_sides():
     assert bench.steady_rate([], 1000) is None
     assert bench.steady_rate([(0.0, 0), (1.0, 500)], 1000) is None  # never reached 90 %
     assert bench.steady_rate([(0.0, 950), (1.0, 1000)], 1000) is None  # the start was missed
+
+
+def test_a_run_without_a_rate_is_left_out_of_the_median():
+    import math
+
+    assert bench.median_of_measured([3.0, math.nan, 1.0, 2.0]) == 2.0
+    assert math.isnan(bench.median_of_measured([math.nan]))
