@@ -108,10 +108,12 @@ def wait_rows(endpoint, run_id: str, expected: int, timeout: float) -> float:
 
 class RowWatcher:
     """Counts a run's rows every ``every_s`` on a thread of its own, from ``start()`` until
-    ``stop()``: how the rows became visible over time, for :func:`steady_rate`."""
+    they reach ``expected``: how the rows became visible over time (for
+    :func:`steady_rate`), and when the last came (:meth:`wait`, what :func:`wait_rows`
+    says, without a second count beside it)."""
 
-    def __init__(self, endpoint, run_id: str, every_s: float = 0.1):
-        self.endpoint, self.run_id, self.every_s = endpoint, run_id, every_s
+    def __init__(self, endpoint, run_id: str, expected: int, every_s: float = 0.1):
+        self.endpoint, self.run_id, self.expected, self.every_s = endpoint, run_id, expected, every_s
         self.samples: list[tuple[float, int]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="row-watcher", daemon=True)
@@ -120,15 +122,22 @@ class RowWatcher:
         self._thread.start()
         return self
 
-    def stop(self) -> list[tuple[float, int]]:
+    def wait(self, timeout: float) -> float:
+        """The time (perf_counter) of the first count that reached ``expected``."""
+        self._thread.join(timeout)
         self._stop.set()
         self._thread.join()
-        return self.samples
+        if not self.samples or self.samples[-1][1] < self.expected:
+            seen = self.samples[-1][1] if self.samples else 0
+            raise TimeoutError(f"only {seen} of {self.expected} rows arrived in {timeout:.0f}s")
+        return self.samples[-1][0]
 
     def _watch(self) -> None:
         while not self._stop.wait(self.every_s):
             n = int(sql(self.endpoint, f"SELECT count() FROM trainmon.step WHERE run_id = '{self.run_id}'"))
             self.samples.append((time.perf_counter(), n))
+            if n >= self.expected:
+                return
 
 
 STEADY_MIN_COUNTS = 3  # distinct row counts between the two crossings: fewer, and it is one or
@@ -250,10 +259,10 @@ def one_run(tmp: Path, bootstrap: str, broker, producers: int, total: int, batch
                "consumer_per_cpu_s": total / drain_cpu}
         # 2. Everything at once: producers -> Kafka -> ClickHouse.
         burst_cpu = cpu_seconds(service_process)
-        watcher = RowWatcher(endpoint, "burst").start()
+        watcher = RowWatcher(endpoint, "burst", total).start()
         log_rate, spilled, began, delivered = burst(bootstrap, prefix, "burst", producers, total, spill)
-        visible = wait_rows(endpoint, "burst", total, timeout=600)
-        steady = steady_rate([*watcher.stop(), (visible, total)], total)
+        visible = watcher.wait(timeout=600)
+        steady = steady_rate(watcher.samples, total)
         burst_cpu = cpu_seconds(service_process) - burst_cpu
         p50, p99, _ = latency_ms(endpoint, "burst")
         out.update(e2e=total / (visible - began), e2e_steady=steady if steady is not None else math.nan,

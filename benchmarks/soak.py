@@ -285,8 +285,8 @@ def open_files(pid: int) -> tuple[int, int]:
 
 def most_thread_handles(samples: list[tuple[int, float, dict[str, float]]]) -> tuple[int, int]:
     """``(thread handles, threads)`` of the sample with the most handles per thread."""
-    worst = max(samples, key=lambda sample: sample[2].get("thread_fds", 0) / max(sample[2]["threads"], 1))
-    return int(worst[2].get("thread_fds", 0)), int(worst[2]["threads"])
+    worst = max(samples, key=lambda sample: sample[2]["thread_fds"] / max(sample[2]["threads"], 1))
+    return int(worst[2]["thread_fds"]), int(worst[2]["threads"])
 
 
 class Sampler:

@@ -247,7 +247,9 @@ class Broker:
         self.controller_port = self.controller_port or state.get("controller_port")
         self.internal_port = self.internal_port or state.get("internal_port")
         taken = {self.port, self.controller_port, self.internal_port}
-        fresh = (p for p in free_ports(6) if p not in taken)  # (three listeners: three ports)
+        # Three listeners, three distinct ports: enough fresh ones even when the state's
+        # ports (of a broker gone) happen to be free again and among them.
+        fresh = (p for p in free_ports(6) if p not in taken)
         self.port = self.port or next(fresh)
         self.controller_port = self.controller_port or next(fresh)
         self.internal_port = self.internal_port or next(fresh)
