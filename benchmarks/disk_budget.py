@@ -26,7 +26,11 @@ real loader, ``trainmon replay``) and the step table's bytes on disk per row are
 from system.parts, after merging its parts. Target: <= 100 bytes per step record on the
 broker's disk.
 
-    .venv/bin/python benchmarks/disk_budget.py [--ranks 8] [--steps 1000]
+The records' loss and gradient norm are the step's, the same on every rank, as
+data-parallel training logs them; ``--per-rank-values`` gives every rank its own (see
+step_records).
+
+    .venv/bin/python benchmarks/disk_budget.py [--ranks 8] [--steps 1000] [--per-rank-values]
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainmon import topics  # noqa: E402
 from trainmon.broker import Broker  # noqa: E402
 from trainmon.kafka_client import Producer, create_topics  # noqa: E402
+from trainmon.relay.server import KAFKA_COMPRESSION  # noqa: E402
 from trainmon.schemas import (MAX_RECORDS_PER_MESSAGE, SCHEMA_HEADER, StepRecord, encode, pack,  # noqa: E402
                               schema_fingerprint)
 
@@ -60,22 +65,34 @@ BROKER_COMPRESSIONS = {"zstd": {"compression.type": "zstd"},
                        "lz4": {"compression.type": "lz4"}, "gzip": {"compression.type": "gzip"}}
 
 
-def step_records(ranks: int, steps: int) -> list[list[StepRecord]]:
-    """Per rank, its step records in order: values like the demo's training loop logs."""
+def step_records(ranks: int, steps: int, per_rank_values: bool = False) -> list[list[StepRecord]]:
+    """Per rank, its step records in order: values like the demo's training loop logs.
+
+    Every rank has its own time, duration and timers. The loss and the gradient norm are
+    the step's, the same on every rank, as data-parallel training logs them: the norm is
+    the global one (all-reduced before clipping), and Megatron, torchtitan and the HF
+    Trainer average the loss over the data-parallel ranks before they log it. With
+    ``per_rank_values`` every rank draws its own loss and norm instead (what this
+    benchmark measured until 2026-11-26: their random digits cost ~20 bytes a record more
+    when the ranks' records share a message)."""
     rng = random.Random(7)
     run_id, t0 = f"disk-budget-{uuid.uuid4().hex[:6]}", datetime.now(timezone.utc)
+    shared = [(2.0 + 8.0 * math.exp(-step / 500) + rng.gauss(0, 0.02), abs(rng.gauss(0.9, 0.1)))
+              for step in range(1, steps + 1)]
     out = []
     for rank in range(ranks):
-        prefix = uuid.uuid4().hex[:20]
+        prefix = uuid.uuid4().hex[:12]  # as the producer makes its ids (logger._new_id_prefix)
         records = []
         for step in range(1, steps + 1):
             duration = 800.0 + rng.gauss(0, 15)
+            loss, norm = shared[step - 1]
+            if per_rank_values:
+                loss, norm = 2.0 + 8.0 * math.exp(-step / 500) + rng.gauss(0, 0.02), abs(rng.gauss(0.9, 0.1))
             records.append(StepRecord(
                 run_id=run_id, rank=rank, world_size=ranks, host=f"node{rank // 8:03d}",
                 time=t0 + timedelta(milliseconds=step * duration), event_id=f"{prefix}-{step}",
                 step=step, epoch=step / steps, step_tokens=524288, duration_ms=duration,
-                loss=2.0 + 8.0 * math.exp(-step / 500) + rng.gauss(0, 0.02), norm=abs(rng.gauss(0.9, 0.1)),
-                lr=3e-4 * min(1.0, step / 100), total_steps=steps, skipped=0,
+                loss=loss, norm=norm, lr=3e-4 * min(1.0, step / 100), total_steps=steps, skipped=0,
                 consumed_samples=step * 256, global_batch_size=256,
                 timers={"forward-backward": duration * 0.9, "optimizer": duration * 0.1}))
         out.append(records)
@@ -98,8 +115,8 @@ def messages(per_rank: list[list[StepRecord]], per_message: int, relay: bool) ->
 def send(bootstrap: str, topic: str, per_rank: list[list[StepRecord]], per_message: int, relay: bool) -> int:
     """As the ranks' producers send them (uncompressed, one message per request), or their
     node's relay (zstd, as trainmon/relay/server.py sends)."""
-    producer = Producer(bootstrap=bootstrap, **{"compression.type": "zstd" if relay else "none",
-                                                 "linger.ms": 0, "batch.num.messages": 1})
+    compression = KAFKA_COMPRESSION if relay else {"compression.type": "none"}
+    producer = Producer(bootstrap=bootstrap, **compression, **{"linger.ms": 0, "batch.num.messages": 1})
     # The header the producer's transport puts on every message (schemas.SCHEMA_HEADER).
     headers = [(SCHEMA_HEADER, schema_fingerprint())]
     sent = 0
@@ -140,13 +157,16 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=8)
     parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--per-rank-values", action="store_true",
+                        help="every rank logs its own loss and gradient norm (see step_records)")
     args = parser.parse_args()
-    per_rank = step_records(args.ranks, args.steps)
+    per_rank = step_records(args.ranks, args.steps, args.per_rank_values)
     records = args.ranks * args.steps
     raw = sum(len(encode(r)) for rs in per_rank for r in rs) / records
     after = topics.topic_config("step")
-    print(f"{records:,} step records ({args.ranks} ranks x {args.steps} steps), {raw:.0f} bytes each as JSON; "
-          f"the new default topic config: {after}")
+    values = "each rank its own" if args.per_rank_values else "the step's, on every rank"
+    print(f"{records:,} step records ({args.ranks} ranks x {args.steps} steps; loss and norm: {values}), "
+          f"{raw:.0f} bytes each as JSON; the new default topic config: {after}")
     with tempfile.TemporaryDirectory(prefix="trainmon-disk-") as tmp:
         broker = Broker(Path(tmp) / "kafka", heap="1g", throwaway=True).start()
         try:

@@ -21,6 +21,7 @@ from trainmon import topics
 from trainmon.consumers.clickhouse.client import Target, connect
 from trainmon.consumers.clickhouse.columns import insert_batch, insert_json, json_body, json_ready
 from trainmon.consumers.clickhouse import create_all
+from trainmon.consumers.clickhouse.ddl import create_table_sql
 from trainmon.consumers.clickhouse.loader import stored_as_they_come
 from trainmon.consumers.stream import _lines_if_packed
 from trainmon.producer.deferred import DeferredRecord, checked_values, field_rules, passes_quick_check
@@ -159,3 +160,34 @@ def test_refused_marked_records_are_decoded_and_dead_lettered_alone(bootstrap, t
             [{"n": 7, "u": 7}]
     finally:
         assert service.stop() == 0
+
+
+def test_a_rate_left_out_of_the_json_is_derived_by_clickhouse_as_by_the_record(chdb_client):
+    """A step record leaves tokens/s out of its JSON when it is the derived one (its bytes
+    on the broker's disk); the step table's DEFAULT computes the very value the record
+    holds, on a table as this version makes it and on one the previous version made
+    (tokens_per_second without a DEFAULT, given one at start), and the rollups see it."""
+    rng = random.Random(3)
+    records = [step(i, step_tokens=rng.choice([1, 4096, 524288, 2**40]), duration_ms=rng.uniform(0.001, 5e4))
+               for i in range(500)]
+    records.append(step(500, step_tokens=7, duration_ms=0.0))  # no rate: NULL, as None
+    records.append(step(501, step_tokens=7, duration_ms=2.0, tokens_per_second=12.5))  # given: kept
+    assert all(b"tokens_per_second" not in encode(r) for r in records[:501])
+    assert b"tokens_per_second" in encode(records[501])
+    client = chdb_client
+    create_all(client, "rates_now")
+    client.command("CREATE DATABASE rates_previous")
+    table = create_table_sql("step", "rates_previous")
+    client.command(table.replace(" DEFAULT " + StepRecord.derived["tokens_per_second"].sql, ""))
+    default = ("SELECT default_expression FROM system.columns WHERE database = 'rates_previous' "
+               "AND table = 'step' AND name = 'tokens_per_second'")
+    assert client.query(default).result_rows == [("",)]
+    create_all(client, "rates_previous")  # as a service does at start
+    assert "duration_ms" in client.query(default).result_rows[0][0]
+    for database in ("rates_now", "rates_previous"):
+        insert_json(client, "step", json_body(("t", 0, list(range(len(records)))), [encode(r) for r in records]),
+                    database=database, dedup_token="rates")
+        stored = dict(client.query(f"SELECT step, tokens_per_second FROM {database}.step").result_rows)
+        assert stored == {r.step: r.tokens_per_second for r in records}, database  # exactly
+        fastest = client.query(f"SELECT max(max_tokens_per_second) FROM {database}.step_stats").result_rows
+        assert fastest == [(max(r.tokens_per_second for r in records if r.tokens_per_second),)]

@@ -36,6 +36,28 @@ def test_derived_fields():
     assert EvalRecord(**ENVELOPE, step=1, epoch=0, eval_tokens=1, duration_ms=1, loss=1e6).perplexity == math.inf
 
 
+def test_durations_are_kept_to_the_microsecond():
+    record = step(duration_ms=716.5456161059574, timers={"forward-backward": 644.8910544953617, "optimizer": 71})
+    assert record.duration_ms == 716.546
+    assert record.timers == {"forward-backward": 644.891, "optimizer": 71.0}
+    assert b'"duration_ms":716.546,' in encode(record)
+    assert step(duration_ms=math.nan).duration_ms != step(duration_ms=math.nan).duration_ms
+    assert step(duration_ms=math.inf).duration_ms == math.inf
+    assert EvalRecord(**ENVELOPE, step=1, loss=1.0, duration_ms=0.0004).duration_ms == 0.0
+
+
+def test_a_derived_rate_is_written_only_when_it_is_not_the_derived_one():
+    derived = step(step_tokens=524288, duration_ms=716.5456161059574)
+    assert b"tokens_per_second" not in encode(derived)
+    assert decode("step", encode(derived)).tokens_per_second == derived.tokens_per_second == 524288000 / 716.546
+    given = step(step_tokens=524288, duration_ms=716.5, tokens_per_second=700000.0)
+    assert b'"tokens_per_second":700000.0' in encode(given)
+    assert decode("step", encode(given)).tokens_per_second == 700000.0
+    evaluated = EvalRecord(**ENVELOPE, step=1, eval_tokens=10, duration_ms=3.0, loss=1.0)
+    assert b"tokens_per_second" not in encode(evaluated) and b"perplexity" in encode(evaluated)
+    assert decode("eval", encode(evaluated)) == evaluated
+
+
 @pytest.mark.parametrize("fields, field_name", [
     ({"loss": "not a number"}, "loss"),
     ({"step": -1}, "step"),

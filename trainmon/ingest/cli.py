@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..schemas import Record, encode
+from ..schemas import Record
 from . import reader
 from .formats import ALIASES, FORMATS
 from .session import FormatNotDetected, Session
@@ -69,8 +69,10 @@ class _DryRun:
         self._stream = stream
 
     def __call__(self, record: Record) -> None:
-        # Surogate's / TRAINMON_LOG_FILE's layout ({"log": kind, ...}), with the envelope.
-        self._stream.write(b'{"log":"%s",%s\n' % (record.kind.encode(), encode(record)[1:]))
+        # Surogate's / TRAINMON_LOG_FILE's layout ({"log": kind, ...}), with the envelope;
+        # the record whole, as readers see it (a derived rate is not sent, but shown here).
+        shown = record.model_dump_json(exclude_none=True).encode()
+        self._stream.write(b'{"log":"%s",%s\n' % (record.kind.encode(), shown[1:]))
 
 
 class _Paced:

@@ -40,7 +40,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import to_json
 
 from ..schemas import SCHEMA_VERSION, Record
-from ..schemas.envelope import MAX_YEAR, MIN_YEAR
+from ..schemas.envelope import MAX_YEAR, MIN_YEAR, holding_derived
 
 UTC = timezone.utc
 
@@ -117,8 +117,10 @@ class DeferredRecord:
         # against 0.9-1.0 (alternating runs; 2.1 against 1.0 in a slow spell), and the
         # drain 134-149k against 158-174k records/s. A derived field left unset (None) is
         # not written.
+        # A derived field holding what it derives is left out, as schemas.encode does.
+        left_out = holding_derived(record, self.model.derived) if derive and self.model.derived else ()
         written = {name: written[name] for name in sorted(written, key=order.__getitem__)
-                   if written[name] is not None}
+                   if written[name] is not None and name not in left_out}
         # pydantic's own JSON writer, on plain values: its spelling of floats, NaN / inf
         # and times (ser_json_inf_nan="constants").
         return to_json(written, inf_nan_mode="constants")
@@ -167,7 +169,7 @@ class _Rule(typing.NamedTuple):
     low: float
     high: float
     validators: tuple
-    mapping: bool = False  # a dict of str -> number (no bounds, no validators)
+    mapping: bool = False  # a dict of str -> number (no bounds; validators for each value)
 
 
 def checked_values(model: type[Record], fields: dict) -> tuple[tuple, tuple] | None:
@@ -191,7 +193,7 @@ def checked_values(model: type[Record], fields: dict) -> tuple[tuple, tuple] | N
                     continue  # not logged: left out of the record's JSON
                 return None
             if mapping:
-                if not _checked_map(name, value, number, names, values):
+                if not _checked_map(name, value, number, validators, names, values):
                     return None
                 continue
             if type(value) is not number:
@@ -211,9 +213,10 @@ def checked_values(model: type[Record], fields: dict) -> tuple[tuple, tuple] | N
     return tuple(names), tuple(values)
 
 
-def _checked_map(field: str, value, number: type, names: list, values: list) -> bool:
+def _checked_map(field: str, value, number: type, validators: tuple, names: list, values: list) -> bool:
     """Append a map of names to numbers as the record will hold it (a copy: the caller
-    may reuse its dict for the next step); False where pydantic must judge it."""
+    may reuse its dict for the next step; each value through the validators of the map's
+    value type); False where pydantic must judge it."""
     if type(value) is not dict or not value:  # (an empty map has no entries to write here)
         return False
     for key, item in value.items():
@@ -225,6 +228,8 @@ def _checked_map(field: str, value, number: type, names: list, values: list) -> 
             item = float(item)
         if item != item:  # NaN: pydantic judges it, as for a number field
             return False
+        for validate in validators:
+            item = validate(item)
         names.append(f"{field}\0{key}")
         values.append(item)
     return True
@@ -277,8 +282,16 @@ def _number_rule(info: FieldInfo) -> _Rule | None:
             constraints.extend(item.metadata if isinstance(item, FieldInfo) else [item])
     if typing.get_origin(annotation) is dict:
         key, number = typing.get_args(annotation)
+        validators = []
+        if typing.get_origin(number) is typing.Annotated:  # e.g. dict[str, Milliseconds]
+            number, *extra = typing.get_args(number)
+            for item in extra:
+                if isinstance(item, AfterValidator):
+                    validators.append(item.func)
+                elif not (isinstance(item, FieldInfo) and not item.metadata):  # (a description)
+                    return None  # a bound on the values: pydantic's
         if key is str and number in (int, float) and not constraints:
-            return _Rule(number, nullable, -math.inf, math.inf, (), mapping=True)
+            return _Rule(number, nullable, -math.inf, math.inf, tuple(validators), mapping=True)
         return None
     if annotation not in (int, float):
         return None

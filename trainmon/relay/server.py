@@ -43,6 +43,11 @@ from . import frames
 log = logging.getLogger("trainmon.relay")
 
 DEFAULT_WINDOW_S = 0.05
+# zstd, as the topics are compressed (the broker keeps batches of their own codec as they
+# come). Its level 1 packed step records smaller than its default 3 at 1, 10 and 100
+# steps/s (103.0, 52.9, 48.9 bytes a record against 104.1, 54.9, 52.2 with
+# benchmarks/disk_budget.py's records), for less CPU.
+KAFKA_COMPRESSION = {"compression.type": "zstd", "compression.level": 1}
 _ANSWER_WAIT_S = 0.02  # the longest one wait for Kafka's answers keeps the ranks' frames waiting
 _READ_BYTES = 1 << 16
 
@@ -90,9 +95,10 @@ class Relay:
         # As a rank's own transport sends (kafka_client/confluent_transport.py): acks from
         # every replica, one request in flight (order), no idempotence (a resend may
         # duplicate, consumers keep one), Kafka's answer within the delivery timeout. zstd,
-        # the topics' own compression: the broker keeps the batches as they come.
-        self.kafka = kafka or Producer(env=env, bootstrap=bootstrap, **{
-            "linger.ms": 0, "compression.type": "zstd", "enable.idempotence": False,
+        # the topics' own compression (KAFKA_COMPRESSION): the broker keeps the batches as
+        # they come.
+        self.kafka = kafka or Producer(env=env, bootstrap=bootstrap, **KAFKA_COMPRESSION, **{
+            "linger.ms": 0, "enable.idempotence": False,
             "max.in.flight.requests.per.connection": 1, "message.timeout.ms": delivery_timeout_ms,
             "request.timeout.ms": min(4000, delivery_timeout_ms)})
         self.stats = RelayStats()

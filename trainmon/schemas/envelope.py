@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import datetime
-from typing import ClassVar, Literal
+from typing import Any, Callable, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -21,6 +22,33 @@ SCHEMA_VERSION = 1
 # records over hundreds of partitions and, in one insert, over ClickHouse's per-insert
 # partition limit; DateTime64 itself ends in 2299.
 MIN_YEAR, MAX_YEAR = 2000, 2200
+
+
+@dataclass(frozen=True)
+class Derived:
+    """A field a record computes from its other fields when the caller leaves it out
+    (tokens/s from the step's tokens and duration).
+
+    It is written only when it holds something else (a value the caller gave): every
+    reader computes it again, the models' validators in Python and, in ClickHouse, the
+    column's DEFAULT ``sql``, which must give the very same value."""
+
+    compute: Callable[[Any], Any]  # the record (anything with its fields) -> the value
+    sql: str  # the same over the table's columns
+
+
+def fill_derived(record, derived: dict[str, Derived]):
+    """Set each derived field the record does not hold (a model's after-validator)."""
+    for name, field in derived.items():
+        if getattr(record, name) is None:
+            setattr(record, name, field.compute(record))
+    return record
+
+
+def holding_derived(record, derived: dict[str, Derived]) -> set[str]:
+    """The derived fields whose value is the one derived: left out of the JSON."""
+    return {name for name, field in derived.items()
+            if (value := getattr(record, name)) is not None and value == field.compute(record)}
 
 
 class Record(BaseModel):
@@ -48,6 +76,9 @@ class Record(BaseModel):
     # resend: a kind that logs several records per rank and step must name what tells
     # them apart here, or all but the first of them are dropped.
     stream_fields: ClassVar[tuple[str, ...]] = ()
+    # Fields computed from the others when not given, and left out of the JSON when they
+    # hold what is computed (see Derived). The kind's validator calls fill_derived.
+    derived: ClassVar[dict[str, Derived]] = {}
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -11,7 +11,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from .envelope import Record
+from .envelope import Derived, Record, fill_derived
 
 # ClickHouse stores every int field as Int64: a larger value would pass validation here and
 # be refused there, far from the caller. So no int field is plain ``int``: each is one of
@@ -34,11 +34,36 @@ def _not_negative(value: float) -> float:
 NonNegativeOrNonFinite = Annotated[float, AfterValidator(_not_negative)]
 
 
+def _to_the_microsecond(value: float) -> float:
+    # A duration is kept to the microsecond, the resolution of every record's time. The
+    # digits past it are timer noise (``(time.time() - t0) * 1000`` has 17 of them), and
+    # on the broker's disk they were the largest part of a step record: the timers, the
+    # step's duration and the tokens/s derived from it took 41 of its 121 bytes,
+    # compressed (docs/deploy.md, "Retention and compression").
+    return round(value, 3)
+
+
+# A duration in milliseconds (kept to the microsecond), and one that is >= 0 when finite.
+Milliseconds = Annotated[float, AfterValidator(_to_the_microsecond),
+                         Field(description="milliseconds, kept to the microsecond")]
+Duration = Annotated[float, AfterValidator(_not_negative), AfterValidator(_to_the_microsecond),
+                     Field(description="milliseconds, kept to the microsecond; >= 0 unless NaN or infinite")]
+
+
 def _rate(tokens: int | None, duration_ms: float | None) -> float | None:
     """tokens / second, when both were logged and the duration is a positive number."""
     if tokens is None or duration_ms is None or not (0 < duration_ms < math.inf):
         return None
     return tokens * 1000.0 / duration_ms
+
+
+def _rate_sql(tokens: str) -> str:
+    """:func:`_rate` as ClickHouse computes it: the same IEEE operations, the same value."""
+    return (f"if({tokens} IS NOT NULL AND duration_ms > 0 AND duration_ms < inf, "
+            f"{tokens} * 1000. / duration_ms, NULL)")
+
+
+_DERIVED_TOKENS_PER_SECOND = "tokens / s: step_tokens / duration_ms unless given; not written when derived"
 
 
 class StepRecord(Record):
@@ -50,13 +75,13 @@ class StepRecord(Record):
     step: Count
     epoch: Optional[NonNegativeOrNonFinite] = None
     step_tokens: Optional[Count] = None
-    duration_ms: Optional[NonNegativeOrNonFinite] = None
+    duration_ms: Optional[Duration] = None
     # Megatron prints no loss for an interval whose iterations were all skipped (fp16
     # overflow): the step is still logged, with its skipped count.
     loss: Optional[float] = None
     norm: Optional[float] = None  # global grad L2 norm after clipping
     lr: Optional[float] = None
-    tokens_per_second: Optional[float] = None  # derived: step_tokens / duration, when both logged
+    tokens_per_second: Optional[float] = Field(default=None, description=_DERIVED_TOKENS_PER_SECOND)
     # Megatron's optional fields.
     total_steps: Optional[Count] = None
     loss_scale: Optional[float] = None
@@ -70,13 +95,14 @@ class StepRecord(Record):
     tflops_per_gpu: Optional[float] = None
     sol_percent: Optional[float] = None
     losses: Optional[dict[str, float]] = None
-    timers: Optional[dict[str, float]] = None  # name -> ms
+    timers: Optional[dict[str, Milliseconds]] = None  # name -> ms
+
+    derived = {"tokens_per_second": Derived(lambda r: _rate(r.step_tokens, r.duration_ms),
+                                            _rate_sql("step_tokens"))}
 
     @model_validator(mode="after")
     def _derive(self) -> "StepRecord":
-        if self.tokens_per_second is None:
-            self.tokens_per_second = _rate(self.step_tokens, self.duration_ms)
-        return self
+        return fill_derived(self, StepRecord.derived)
 
 
 class EvalRecord(Record):
@@ -85,15 +111,18 @@ class EvalRecord(Record):
     step: Count
     epoch: Optional[NonNegativeOrNonFinite] = None
     eval_tokens: Optional[Count] = None
-    duration_ms: Optional[NonNegativeOrNonFinite] = None
+    duration_ms: Optional[Duration] = None
     loss: float
-    tokens_per_second: Optional[float] = None
+    tokens_per_second: Optional[float] = Field(
+        default=None, description=_DERIVED_TOKENS_PER_SECOND.replace("step_tokens", "eval_tokens"))
     perplexity: Optional[float] = None
+
+    derived = {"tokens_per_second": Derived(lambda r: _rate(r.eval_tokens, r.duration_ms),
+                                            _rate_sql("eval_tokens"))}
 
     @model_validator(mode="after")
     def _derive(self) -> "EvalRecord":
-        if self.tokens_per_second is None:
-            self.tokens_per_second = _rate(self.eval_tokens, self.duration_ms)
+        fill_derived(self, EvalRecord.derived)
         if self.perplexity is None:
             try:
                 self.perplexity = math.exp(self.loss)
@@ -303,7 +332,7 @@ class CheckpointRecord(Record):
     event: Literal["started", "saved"] = "saved"
     path: Optional[str] = None
     bytes: Optional[Count] = None  # size of what was written
-    duration_ms: Optional[NonNegativeOrNonFinite] = None
+    duration_ms: Optional[Duration] = None
     # The filesystem holding the checkpoint, when the caller measured it.
     free_bytes: Optional[Count] = None
     total_bytes: Optional[Count] = None

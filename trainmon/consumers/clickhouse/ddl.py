@@ -132,11 +132,12 @@ def field_columns(model: type[BaseModel], field: str) -> FieldColumns:
         if optional:
             scalar = (f"LowCardinality(Nullable(String))" if scalar == "LowCardinality(String)"
                       else f"Nullable({scalar})")
-        return FieldColumns(field, f"`{field}` {scalar}",
+        return FieldColumns(field, f"`{field}` {scalar}{derived_default(model, field)}",
                             (Column(field, scalar, field, _identity),))
     origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin is dict and args and args[0] is str:
-        value = _SCALARS.get(args[1]) if args[1] in (float, str, int) else None
+        item = _bare(args[1])  # (e.g. Milliseconds)
+        value = _SCALARS.get(item) if item in (float, str, int) else None
         if value is not None:
             ch = f"Map(String, {value})"
             return FieldColumns(field, f"`{field}` {ch}", (Column(field, ch, field, _or_empty_dict),))
@@ -152,6 +153,14 @@ def field_columns(model: type[BaseModel], field: str) -> FieldColumns:
             return FieldColumns(field, f"`{field}` {ch}", (Column(field, ch, field, _or_empty_list),))
     raise TypeError(f"{where}.{field}: no ClickHouse column type for {annotation!r}; "
                     "add a mapping in trainmon/consumers/clickhouse/ddl.py")
+
+
+def derived_default(model: type[BaseModel], field: str) -> str:
+    """`` DEFAULT <sql>`` for a field the record derives (envelope.Derived): a record
+    leaves it out of its JSON when it holds the derived value, and ClickHouse computes it
+    then, as the record's validator would."""
+    derived = getattr(model, "derived", {}).get(field)
+    return f" DEFAULT {derived.sql}" if derived else ""
 
 
 def _nested(sub: type[BaseModel], field: str, where: str) -> FieldColumns:

@@ -8,7 +8,7 @@ The statements come from the pure modules below it: :mod:`.ddl` (record tables),
 from __future__ import annotations
 
 from ...schemas import RECORD_TYPES
-from .ddl import create_table_sql, nullable_of, table_fields
+from .ddl import create_table_sql, derived_default, nullable_of, table_fields
 from .rollups import rollups
 from .settings import settings_sql
 from .goodput import REFRESHED
@@ -39,8 +39,9 @@ def apply_table_settings(client, table: str) -> None:
 
 
 def migrate_table(client, kind: str, database: str) -> list[str]:
-    """Add columns for schema fields the table lacks, and make a column Nullable whose
-    field became optional (e.g. ``step.norm``); returns the fields added or widened.
+    """Add columns for schema fields the table lacks, make a column Nullable whose field
+    became optional (e.g. ``step.norm``), and give a derived field's column its DEFAULT
+    (``step.tokens_per_second``); returns the fields added or changed.
 
     Otherwise a field whose type changed, or that was removed, keeps its old column
     (ClickHouse cannot rewrite a column's type in place cheaply). Widening to Nullable is
@@ -48,8 +49,10 @@ def migrate_table(client, kind: str, database: str) -> list[str]:
     the field could not be inserted at all.
     """
     have = column_types(client, database, kind)
+    defaults = column_defaults(client, database, kind)
+    model = RECORD_TYPES[kind]
     changed = []
-    for f in table_fields(RECORD_TYPES[kind]):
+    for f in table_fields(model):
         if not any(c.name in have for c in f.columns):
             client.command(f"ALTER TABLE {database}.{kind} ADD COLUMN IF NOT EXISTS {f.definition}")
             changed.append(f.field)
@@ -58,6 +61,11 @@ def migrate_table(client, kind: str, database: str) -> list[str]:
         if old is not None and old != f.columns[0].type and nullable_of(old) == f.columns[0].type:
             drop_views(client, database)  # a column a view reads cannot be retyped; recreated next
             client.command(f"ALTER TABLE {database}.{kind} MODIFY COLUMN {f.definition}")
+            changed.append(f.field)
+        elif derived_default(model, f.field) and not defaults.get(f.field):
+            # A derived field's column made before records left it out: computed from now on
+            # when a record does (the rows already there hold it).
+            client.command(f"ALTER TABLE {database}.{kind} MODIFY COLUMN `{f.field}`{derived_default(model, f.field)}")
             changed.append(f.field)
     return changed
 
@@ -112,6 +120,13 @@ def create_probe_table(client, kind: str, database: str) -> str:
 
 def existing_columns(client, database: str, table: str) -> list[str]:
     return list(column_types(client, database, table))
+
+
+def column_defaults(client, database: str, table: str) -> dict[str, str]:
+    """Column name -> its DEFAULT expression ('' for none)."""
+    result = client.query("SELECT name, default_expression FROM system.columns WHERE database = {db:String} "
+                          "AND table = {t:String}", parameters={"db": database, "t": table})
+    return {row[0]: row[1] for row in result.result_rows}
 
 
 def column_types(client, database: str, table: str) -> dict[str, str]:
