@@ -1,5 +1,6 @@
 import json
 import math
+import random
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -44,6 +45,12 @@ def test_durations_are_kept_to_the_microsecond():
     assert step(duration_ms=math.nan).duration_ms != step(duration_ms=math.nan).duration_ms
     assert step(duration_ms=math.inf).duration_ms == math.inf
     assert EvalRecord(**ENVELOPE, step=1, loss=1.0, duration_ms=0.0004).duration_ms == 0.0
+    assert step(duration_ms=1e300).duration_ms == 1e300  # no digits past the microsecond there
+    rng = random.Random(5)
+    for _ in range(2000):
+        kept = step(duration_ms=rng.uniform(0, 1e6) * rng.choice([1e-6, 1e-3, 1])).duration_ms
+        assert len(repr(kept).partition(".")[2]) <= 3 or "e" in repr(kept), kept
+        assert step(duration_ms=kept).duration_ms == kept  # read back and validated again: the same
 
 
 def test_a_derived_rate_is_written_only_when_it_is_not_the_derived_one():

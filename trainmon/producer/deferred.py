@@ -111,16 +111,16 @@ class DeferredRecord:
             record.__dict__ = written  # what the validators set is written
             for validator in derive:
                 validator(record)
+            for name in holding_derived(record, self.model.derived):
+                del written[name]  # holding what readers derive: left out, as encode() does
         # The model's field order, as pydantic writes it (a derived field comes last
         # otherwise, or a Megatron field before it): for 300,000 step rows whose keys came
         # out of their columns' order, the ClickHouse loader's insert thread took 1.1-1.3 s
         # against 0.9-1.0 (alternating runs; 2.1 against 1.0 in a slow spell), and the
         # drain 134-149k against 158-174k records/s. A derived field left unset (None) is
         # not written.
-        # A derived field holding what it derives is left out, as schemas.encode does.
-        left_out = holding_derived(record, self.model.derived) if derive and self.model.derived else ()
         written = {name: written[name] for name in sorted(written, key=order.__getitem__)
-                   if written[name] is not None and name not in left_out}
+                   if written[name] is not None}
         # pydantic's own JSON writer, on plain values: its spelling of floats, NaN / inf
         # and times (ser_json_inf_nan="constants").
         return to_json(written, inf_nan_mode="constants")

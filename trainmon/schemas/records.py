@@ -39,8 +39,14 @@ def _to_the_microsecond(value: float) -> float:
     # digits past it are timer noise (``(time.time() - t0) * 1000`` has 17 of them), and
     # on the broker's disk they were the largest part of a step record: the timers, the
     # step's duration and the tokens/s derived from it took 41 of its 121 bytes,
-    # compressed (docs/deploy.md, "Retention and compression").
-    return round(value, 3)
+    # compressed (docs/deploy.md, "Retention and compression"). It runs on the training
+    # thread for every duration logged: round(value * 1000) / 1000 takes ~100 ns where
+    # round(value, 3) took ~290, and k / 1000 is the float nearest k thousandths, whose
+    # repr has at most three decimals. NaN, +-inf and durations beyond 30 years (no
+    # digits past the microsecond to drop) are kept as they are.
+    if -1e12 < value < 1e12:
+        return round(value * 1000.0) / 1000.0
+    return value
 
 
 # A duration in milliseconds (kept to the microsecond), and one that is >= 0 when finite.
