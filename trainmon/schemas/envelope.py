@@ -37,14 +37,6 @@ class Derived:
     sql: str  # the same over the table's columns
 
 
-def fill_derived(record, derived: dict[str, Derived]):
-    """Set each derived field the record does not hold (a model's after-validator)."""
-    for name, field in derived.items():
-        if getattr(record, name) is None:
-            setattr(record, name, field.compute(record))
-    return record
-
-
 def holding_derived(record, derived: dict[str, Derived]) -> set[str]:
     """The derived fields whose value is the one derived: left out of the JSON."""
     return {name for name, field in derived.items()
@@ -77,7 +69,7 @@ class Record(BaseModel):
     # them apart here, or all but the first of them are dropped.
     stream_fields: ClassVar[tuple[str, ...]] = ()
     # Fields computed from the others when not given, and left out of the JSON when they
-    # hold what is computed (see Derived). The kind's validator calls fill_derived.
+    # hold what is computed (see Derived). The kind's after-validator sets them.
     derived: ClassVar[dict[str, Derived]] = {}
 
     def __init_subclass__(cls, **kwargs):
