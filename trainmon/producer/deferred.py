@@ -108,7 +108,7 @@ class DeferredRecord:
                    "schema_version": SCHEMA_VERSION, **defaults, **self._fields()}
         if derive:
             derived = self.model.derived
-            given = [name for name in derived if name in written]  # (a None is not in written)
+            given = derived.keys() & written.keys()  # (a None is not in written)
             record = fields_class()
             record.__dict__ = written  # what the validators set is written
             for validator in derive:

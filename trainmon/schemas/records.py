@@ -49,10 +49,20 @@ def _to_the_microsecond(value: float) -> float:
     return value
 
 
+def _duration(value: float) -> float:
+    """_not_negative and _to_the_microsecond in one call: at 1 step/s a log call runs with
+    cold caches, where each function it calls costs microseconds."""
+    if -1e12 < value < 1e12:
+        if value < 0:
+            _not_negative(value)  # (raises)
+        return round(value * 1000.0) / 1000.0
+    return _not_negative(value)
+
+
 # A duration in milliseconds (kept to the microsecond), and one that is >= 0 when finite.
 Milliseconds = Annotated[float, AfterValidator(_to_the_microsecond),
                          Field(description="milliseconds, kept to the microsecond")]
-Duration = Annotated[float, AfterValidator(_not_negative), AfterValidator(_to_the_microsecond),
+Duration = Annotated[float, AfterValidator(_duration),
                      Field(description="milliseconds, kept to the microsecond; >= 0 unless NaN or infinite")]
 
 
