@@ -146,7 +146,7 @@ class Producer:
         # run, rank, [step,] event_id): 48 random bits make two producers of one rank
         # drawing the same prefix a chance of ~n^2 / 2^49 in n restarts. Each id's random
         # part is incompressible on the broker's disk: 20 hex digits cost ~5 bytes a
-        # record more there (docs/retention.md).
+        # record more there (docs/deploy.md, "Retention and compression").
         self._id_prefix = uuid.uuid4().hex[:12]
         self._ids = itertools.count()
 
