@@ -48,8 +48,9 @@ def migrate_table(client, kind: str, database: str) -> list[str]:
     the one retyping done: old rows keep their values, and without it a record lacking
     the field could not be inserted at all.
     """
-    have = column_types(client, database, kind)
-    defaults = column_defaults(client, database, kind)
+    columns = table_columns(client, database, kind)
+    have = {name: ch_type for name, ch_type, _ in columns}
+    defaults = {name: default for name, _, default in columns}
     model = RECORD_TYPES[kind]
     changed = []
     for f in table_fields(model):
@@ -58,14 +59,15 @@ def migrate_table(client, kind: str, database: str) -> list[str]:
             changed.append(f.field)
             continue
         old = have.get(f.field) if len(f.columns) == 1 else None
+        derived = derived_default(model, f.field)
         if old is not None and old != f.columns[0].type and nullable_of(old) == f.columns[0].type:
             drop_views(client, database)  # a column a view reads cannot be retyped; recreated next
             client.command(f"ALTER TABLE {database}.{kind} MODIFY COLUMN {f.definition}")
             changed.append(f.field)
-        elif derived_default(model, f.field) and not defaults.get(f.field):
+        elif derived and not defaults.get(f.field):
             # A derived field's column made before records left it out: computed from now on
             # when a record does (the rows already there hold it).
-            client.command(f"ALTER TABLE {database}.{kind} MODIFY COLUMN `{f.field}`{derived_default(model, f.field)}")
+            client.command(f"ALTER TABLE {database}.{kind} MODIFY COLUMN `{f.field}`{derived}")
             changed.append(f.field)
     return changed
 
@@ -122,16 +124,15 @@ def existing_columns(client, database: str, table: str) -> list[str]:
     return list(column_types(client, database, table))
 
 
-def column_defaults(client, database: str, table: str) -> dict[str, str]:
-    """Column name -> its DEFAULT expression ('' for none)."""
-    result = client.query("SELECT name, default_expression FROM system.columns WHERE database = {db:String} "
-                          "AND table = {t:String}", parameters={"db": database, "t": table})
-    return {row[0]: row[1] for row in result.result_rows}
-
-
 def column_types(client, database: str, table: str) -> dict[str, str]:
     """Column name -> ClickHouse type, in table order."""
-    result = client.query("SELECT name, type FROM system.columns WHERE database = {db:String} "
+    return {name: ch_type for name, ch_type, _ in table_columns(client, database, table)}
+
+
+def table_columns(client, database: str, table: str) -> list[tuple[str, str, str]]:
+    """Each column's name, ClickHouse type and DEFAULT expression ('' for none), in table
+    order."""
+    result = client.query("SELECT name, type, default_expression FROM system.columns WHERE database = {db:String} "
                           "AND table = {t:String} ORDER BY position",
                           parameters={"db": database, "t": table})
-    return {row[0]: row[1] for row in result.result_rows}
+    return [tuple(row) for row in result.result_rows]
