@@ -79,7 +79,8 @@ def _rate_sql(tokens: str) -> str:
             f"{tokens} * 1000. / duration_ms, NULL)")
 
 
-_DERIVED_TOKENS_PER_SECOND = "tokens / s: step_tokens / duration_ms unless given; not written when derived"
+def _rate_description(tokens: str) -> str:
+    return f"tokens / s: {tokens} / duration_ms unless given; not written when derived"
 
 
 class StepRecord(Record):
@@ -97,7 +98,7 @@ class StepRecord(Record):
     loss: Optional[float] = None
     norm: Optional[float] = None  # global grad L2 norm after clipping
     lr: Optional[float] = None
-    tokens_per_second: Optional[float] = Field(default=None, description=_DERIVED_TOKENS_PER_SECOND)
+    tokens_per_second: Optional[float] = Field(default=None, description=_rate_description("step_tokens"))
     # Megatron's optional fields.
     total_steps: Optional[Count] = None
     loss_scale: Optional[float] = None
@@ -132,8 +133,7 @@ class EvalRecord(Record):
     eval_tokens: Optional[Count] = None
     duration_ms: Optional[Duration] = None
     loss: float
-    tokens_per_second: Optional[float] = Field(
-        default=None, description=_DERIVED_TOKENS_PER_SECOND.replace("step_tokens", "eval_tokens"))
+    tokens_per_second: Optional[float] = Field(default=None, description=_rate_description("eval_tokens"))
     perplexity: Optional[float] = None
 
     derived = {"tokens_per_second": Derived(lambda r: _rate(r.eval_tokens, r.duration_ms),
