@@ -17,7 +17,9 @@ own, one after the other, trainmon against a broker:
   started per case): ``--relay-ranks`` rank processes (8, a node's GPUs; 1 for the tight
   loop) log at once through one relay, and each rank's figure is its own process's CPU
   plus its share of the relay's: the relay's CPU per second over the interval all ranks
-  were measuring (sampled from /proc), times a rank's interval, divided by the ranks.
+  were measuring (sampled from /proc), times a rank's interval, divided by the ranks. The
+  ranks log each step together, as a data-parallel job's do (every step ends in an
+  all-reduce): their loops start at one time (``--relay-ranks-apart``: each at its own).
 
 It prints each figure, the machine's load average, the ratios of trainmon to the cheapest
 peer and to wandb, and the targets (issue 30) with met / missed.
@@ -196,15 +198,30 @@ def _wandb(tmp: str):
 _PEERS = {"tensorboard": _tensorboard, "trackio": _trackio, "mlflow": _mlflow, "wandb": _wandb}
 
 
+def aligned_start() -> float | None:
+    """With ranks sharing a relay: say ready on stdout, then read the time
+    (``time.monotonic()``, the same clock in every process) at which every rank starts its
+    loop, so that they log each step together, as a data-parallel job's ranks do (each
+    step ends in an all-reduce). None when this process runs alone."""
+    if not os.environ.get("BENCH_ALIGNED"):
+        return None
+    print("ready", flush=True)
+    return float(sys.stdin.readline())
+
+
 def run_case(library: str, case: str, seconds: float, bootstrap: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         log, close = make_logger(library, bootstrap, tmp)
         time.sleep(1.0)  # let start-up work (connections, the first delivery) settle
+        start_at = aligned_start()
         clock = time.perf_counter_ns
         timings: list[float] = []
         # (Around the CPU figure, not inside it; the main thread's own count is the loop's.)
         threads_before = thread_activity()
-        cpu, t0 = ProcessCpu(), time.monotonic()
+        cpu = ProcessCpu()
+        if start_at is not None:
+            time.sleep(max(0.0, start_at - time.monotonic()))
+        t0 = time.monotonic() if start_at is None else start_at
         if case == "idle":
             time.sleep(seconds)
             steps = 0
@@ -239,7 +256,7 @@ def run_case(library: str, case: str, seconds: float, bootstrap: str) -> dict:
 # -- the driver --------------------------------------------------------------------------
 
 def measure(library: str, case: str, seconds: float, bootstrap: str, client: str,
-            relay_ranks: int = RELAY_RANKS) -> dict:
+            relay_ranks: int = RELAY_RANKS, aligned_ranks: bool = True) -> dict:
     env = dict(os.environ, TRAINMON_KAFKA_CLIENT=client)
     command = [sys.executable, __file__, "--one", library, case, str(seconds), bootstrap]
     if library != RELAY:
@@ -259,9 +276,19 @@ def measure(library: str, case: str, seconds: float, bootstrap: str, client: str
                 if relay.poll() is not None or time.monotonic() > deadline:
                     raise SystemExit(f"the relay did not start:\n{relay.stderr.read()[-3000:]}")
                 time.sleep(0.05)
-            running = [subprocess.Popen(command, env=dict(env, TRAINMON_RELAY=path, BENCH_RANK=str(rank)),
-                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            aligned = {"BENCH_ALIGNED": "1"} if aligned_ranks and ranks > 1 else {}
+            running = [subprocess.Popen(command, env=dict(env, TRAINMON_RELAY=path, BENCH_RANK=str(rank), **aligned),
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True)
                        for rank in range(ranks)]
+            if aligned:
+                for process in running:
+                    if process.stdout.readline().strip() != "ready":
+                        raise SystemExit(f"{library} {case}: a rank failed to start:\n{process.stderr.read()[-3000:]}")
+                start_at = f"{time.monotonic() + 0.5}\n"
+                for process in running:
+                    process.stdin.write(start_at)
+                    process.stdin.flush()
             # The relay's CPU over time, to take the interval every rank measured.
             relay_cpu = [(time.monotonic(), process_cpu_s(relay.pid))]
             while any(p.poll() is None for p in running):
@@ -276,7 +303,7 @@ def measure(library: str, case: str, seconds: float, bootstrap: str, client: str
             raise SystemExit(f"{library} {case} failed:\n{err[-3000:]}")
     results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]
     relay_s = relay_cpu_while_measured(relay_cpu, results)
-    return merge_ranks(results, relay_s)
+    return {**merge_ranks(results, relay_s), "together": bool(aligned)}
 
 
 def relay_cpu_while_measured(samples: list[tuple[float, float]], results: list[dict]) -> float:
@@ -342,6 +369,9 @@ def main() -> None:
                         help="trainmon's transport (default confluent-kafka)")
     parser.add_argument("--relay-ranks", type=int, default=RELAY_RANKS,
                         help="rank processes sharing the relay in the trainmon-relay cases (default %(default)s)")
+    parser.add_argument("--relay-ranks-apart", action="store_true",
+                        help="start each rank sharing the relay on its own, at its own time, instead of "
+                             "every rank logging each step together, as data-parallel ranks do")
     parser.add_argument("--libraries", default=",".join(LIBRARIES),
                         help=f"which to measure, comma-separated (default {','.join(LIBRARIES)})")
     parser.add_argument("--one", nargs=4, help=argparse.SUPPRESS)
@@ -363,7 +393,7 @@ def main() -> None:
             for library in libraries:
                 print(f"  measuring {library} {case} ...", file=sys.stderr, flush=True)
                 results[(library, case)] = measure(library, case, args.seconds, bootstrap, args.client,
-                                                   args.relay_ranks)
+                                                   args.relay_ranks, not args.relay_ranks_apart)
     report(results, libraries, args.client, load_before, load())
 
 
@@ -391,7 +421,9 @@ def report(results: dict, libraries: list[str], client: str, load_before: str, l
 
     if RELAY in libraries:
         shares = "; ".join(f"{case} {results[(RELAY, case)]['relay_cpu_s'] / max(1, results[(RELAY, case)]['steps']) * 1e6:.0f} us"
-                           + f" ({results[(RELAY, case)]['ranks']} rank(s))" for case in [*map(str, RATES), "tight"])
+                           + f" ({results[(RELAY, case)]['ranks']} rank(s)"
+                           + (", logging each step together)" if results[(RELAY, case)]["together"] else ")")
+                           for case in [*map(str, RATES), "tight"])
         print(f"  {RELAY}: the relay's share per rank step (included above): {shares}")
     for ours in OURS:
         if ours in libraries:
