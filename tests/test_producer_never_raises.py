@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import typing
 
 import pytest
@@ -16,7 +17,8 @@ from trainmon.kafka_client.memory_transport import MemoryBroker
 from trainmon.producer import Producer, ProducerConfig
 from trainmon.producer.deferred import DeferredRecord
 from trainmon.producer.logger import MAX_REASON_CHARS
-from trainmon.schemas import RECORD_TYPES
+from trainmon.schemas import RECORD_TYPES, decode, unpack
+from trainmon.topics import topic_for
 
 INT64_MAX = 2**63 - 1
 STEP = dict(epoch=0.5, step_tokens=4096, duration_ms=120.0, loss=2.0, norm=1.0, lr=1e-4)
@@ -226,3 +228,39 @@ def test_the_context_manager_ends_a_failed_run_with_the_exception_as_reason(make
     start, end = producer.sent
     assert (end.event, end.status) == ("end", "failed")
     assert end.reason == "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB"
+
+
+def test_an_error_at_every_tick_of_the_sender_neither_spins_nor_loses_records(tmp_path, caplog):
+    """The sender thread's last resort: an error it did not expect, at every tick, is
+    logged and tried again after a pause that doubles (not thousands of tracebacks a
+    second on a core of the training node); once the error is gone, the records queued
+    meanwhile reach Kafka."""
+    from trainmon.producer import worker as worker_module
+
+    from .waiting import wait_until
+
+    broker = MemoryBroker()
+    producer = Producer(ProducerConfig(run_id="sender-errors", spill_dir=tmp_path / "spill"),
+                        transport=broker.transport)
+    worker = producer._worker
+    tick, failures = worker._tick, []
+
+    def failing_tick():
+        failures.append(time.monotonic())
+        if len(failures) <= 6:
+            raise RuntimeError("an error the sender did not expect")
+        return tick()
+
+    worker._tick = failing_tick
+    with caplog.at_level(logging.ERROR, logger="trainmon.producer"):
+        for step in range(5):
+            assert producer.log_step(step, **STEP)
+        wait_until(lambda: len(failures) > 6, 10, "the sender thread's seventh tick")
+        gaps = [b - a for a, b in zip(failures, failures[1:7])]
+        assert all(later >= 1.5 * earlier for earlier, later in zip(gaps, gaps[1:])), gaps
+        assert gaps[0] >= worker_module._ERROR_PAUSE_MIN_S
+        assert producer.flush(10)
+    steps = [decode("step", line).step for value in broker.values(topic_for("step", producer.config.topic_prefix))
+             for line in unpack(value)]
+    assert steps == list(range(5))
+    assert caplog.text.count("RuntimeError: an error the sender did not expect") == 6

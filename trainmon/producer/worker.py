@@ -70,6 +70,10 @@ _HOLD_CHECK_EVERY = 16
 # reports: a message Kafka gives up on (after the 5 s delivery timeout) is on disk within
 # this much more, even if the loop logs nothing after it.
 _WATCH_S = 10.0
+# After an error the sender thread did not expect, it pauses this long before its next
+# tick, twice as long after each further error in a row, up to the maximum.
+_ERROR_PAUSE_MIN_S = 0.01
+_ERROR_PAUSE_MAX_S = 5.0
 
 
 class _Flush:
@@ -296,12 +300,20 @@ class Worker:
     def _run(self) -> None:
         with self._lock:
             self._delivery.adopt_orphans()
+            pause = 0.0
             while True:
                 try:
                     if self._tick():
                         return
+                    pause = 0.0
                 except Exception:  # last resort: this thread is every later record's way to Kafka
-                    log.exception("trainmon: the producer's sender thread hit an error; it goes on")
+                    # An error that recurs at every tick must neither spin a core nor flood
+                    # the job's log: the thread tries again after a pause that doubles, up
+                    # to _ERROR_PAUSE_MAX_S (records meanwhile wait in the queue).
+                    pause = min(_ERROR_PAUSE_MAX_S, max(_ERROR_PAUSE_MIN_S, 2 * pause))
+                    log.exception("trainmon: the producer's sender thread hit an error; it tries "
+                                  "again in %.2f s", pause)
+                    self._sleep(pause)
 
     def _wait(self, timeout: float | None):
         """The next queued item, waiting up to timeout (None: for ever) without the lock;
