@@ -214,13 +214,13 @@ def run_case(library: str, case: str, seconds: float, bootstrap: str) -> dict:
         log, close = make_logger(library, bootstrap, tmp)
         time.sleep(1.0)  # let start-up work (connections, the first delivery) settle
         start_at = aligned_start()
+        if start_at is not None:
+            time.sleep(max(0.0, start_at - time.monotonic()))
         clock = time.perf_counter_ns
         timings: list[float] = []
         # (Around the CPU figure, not inside it; the main thread's own count is the loop's.)
         threads_before = thread_activity()
         cpu = ProcessCpu()
-        if start_at is not None:
-            time.sleep(max(0.0, start_at - time.monotonic()))
         t0 = time.monotonic() if start_at is None else start_at
         if case == "idle":
             time.sleep(seconds)
