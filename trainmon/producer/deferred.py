@@ -112,7 +112,7 @@ class DeferredRecord:
         written["time"] = datetime.fromtimestamp(self.time, UTC)
         written["event_id"] = f"{self.id_prefix}-{self.id_number}"
         written.update(self._fields() if has_maps else zip(self.names, self.values))
-        defaults, fields_class, derive, order = _layout(self.model)
+        _, fields_class, derive, order = _layout(self.model)  # (the defaults: in the template)
         if derive:
             derived = self.model.derived
             given = derived.keys() & written.keys()  # (a None is not in written)
@@ -121,7 +121,8 @@ class DeferredRecord:
             for validator in derive:
                 validator(record)
             # A derived field holding what readers derive is left out, as encode() leaves
-            # it out: one the call did not give holds it, one given is compared.
+            # it out (schemas.envelope.holding_derived): one the call did not give holds
+            # it (the validators set it), so only one given is computed again and compared.
             for name in derived:
                 if name not in given or written[name] == derived[name].compute(record):
                     written.pop(name, None)
