@@ -8,7 +8,9 @@ from datetime import datetime, timezone
 import pytest
 from pydantic import ValidationError
 
-from trainmon.producer.deferred import DeferredRecord, checked_values, field_rules, passes_quick_check, queued
+from trainmon.producer.deferred import (DeferredRecord, checked_values, field_rules, passes_quick_check, queued,
+                                       utc_text)
+from pydantic_core import to_json
 from trainmon.schemas import Record, StepRecord, decode, encode
 
 ENVELOPE = {"run_id": "quick", "rank": 0, "world_size": 1, "host": "h"}
@@ -142,6 +144,20 @@ def test_a_training_loops_step_is_written_byte_for_byte_as_pydantic_writes_it(fi
         # as a log call queues it, and the sender thread takes it
         item = queued(StepRecord, tuple(ENVELOPE.items()), when, "prefix", 7, checked_values(StepRecord, fields))
         assert DeferredRecord.from_queued(item).encode() == encode(deferred.build())
+
+
+def test_a_records_time_is_written_as_pydantic_writes_the_datetime():
+    """utc_text spells a time as pydantic's JSON spells datetime.fromtimestamp(t, UTC):
+    microseconds rounded half to even (a half that rounds up to the next second), none
+    written when 0, across minutes, days and leap days."""
+    rng = random.Random(30)
+    times = [1.7e9 + rng.uniform(-1.5e9, 2e9) for _ in range(50_000)]
+    times += [1.7e9 + k / 1e6 for k in range(2_000)]  # every microsecond's spelling
+    times += [1.7e9 + j / 128 for j in range(128)]  # j / 128 s: 7812.5 us for odd j, a tie
+    times += [1.7e9 + 0.9999995, 1.7e9 + 59.9999996, 1.7e9 + 0.0000005, 1.7e9 + 0.0000015,
+              951782399.9999999, 951782400.0, 0.5, 1.25]  # halves, a minute's end, 2000-02-29
+    for when in times:
+        assert utc_text(when) == to_json(datetime.fromtimestamp(when, timezone.utc)).decode()[1:-1], when
 
 
 def test_a_value_left_out_is_only_one_whose_default_is_none():

@@ -38,7 +38,19 @@ def test_frames_split_whole_frames_and_keep_a_partial_one():
     assert len(buffer) == len(frames.answers([(7, 0), (8, 1)])) - 3  # the partial frame stays
     buffer += stream[-3:]
     [answers] = frames.split(buffer)
-    assert frames.parse_answers(answers) == [(7, frames.OK), (8, frames.FAILED)] and not buffer
+    assert answers[:1] == frames.ANSWERS and not buffer
+
+
+def test_a_rank_takes_the_answers_in_whole_frames_and_keeps_a_partial_one():
+    stream = frames.answers([(7, frames.OK), (8, frames.FAILED)]) + frames.answers([(9, frames.OK)])
+    buffer = bytearray(stream[:-2])
+    assert frames.take_answers(buffer) == [(7, frames.OK), (8, frames.FAILED)]
+    assert buffer == stream[len(frames.answers([(7, 0), (8, 1)])):-2]  # the partial frame stays
+    buffer += stream[-2:]
+    assert frames.take_answers(buffer) == [(9, frames.OK)] and not buffer
+    for not_answers in (frames.entry(1, "t", b"k", b"v"), b"\0\0\0\0", (6).to_bytes(4, "big") + b"A" + bytes(5)):
+        with pytest.raises(frames.FrameError, match="not an answers frame"):
+            frames.take_answers(bytearray(not_answers))
 
 
 def test_frames_that_are_not_the_format_are_refused_by_name():

@@ -70,8 +70,19 @@ def parse_entry(frame: bytes) -> tuple[int, str, bytes, bytes]:
     return entry_id, topic, key, frame[at + topic_len + key_len:]
 
 
-def parse_answers(frame: bytes) -> list[tuple[int, int]]:
-    body = memoryview(frame)[1:]
-    if len(body) % _ANSWER.size:
-        raise FrameError(f"an answers frame of {len(frame)} bytes")
-    return [_ANSWER.unpack_from(body, at) for at in range(0, len(body), _ANSWER.size)]
+def take_answers(buffer: bytearray) -> list[tuple[int, int]]:
+    """The (id, status) answers of the whole ``A`` frames at the start of ``buffer``
+    (removed from it; a partial frame stays). The frames are read in place, not split
+    first: a rank's log call reads its answers, with cold caches at training rates."""
+    answered, at, size = [], 0, len(buffer)
+    while size - at >= _LENGTH.size:
+        (length,) = _LENGTH.unpack_from(buffer, at)
+        if size - at - _LENGTH.size < length:
+            break
+        body = at + _LENGTH.size + 1
+        if length == 0 or buffer[body - 1] != ANSWERS[0] or (length - 1) % _ANSWER.size:
+            raise FrameError(f"a frame of {length} bytes that is not an answers frame")
+        answered += _ANSWER.iter_unpack(buffer[body:body + length - 1])
+        at = body + length - 1
+    del buffer[:at]
+    return answered

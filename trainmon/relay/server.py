@@ -73,6 +73,7 @@ class _Connection:
 
 _Member = tuple[_Connection, int, bytes]  # a rank's message: its connection, its id, the value
 _WAKE = "wake"  # the selector's data for the wake-up socket
+_ENTRY, _HELLO = frames.ENTRY[0], frames.HELLO[0]  # a frame's first byte, as frame[0] reads it
 
 
 @dataclass
@@ -164,8 +165,11 @@ class Relay:
         if self._deliveries:
             # Kafka's answer comes within milliseconds: wait in the client, which returns at
             # its report (polling for it would wake this thread every few ms). The ranks'
-            # frames meanwhile wait in their sockets, read right after.
+            # frames meanwhile wait in their sockets.
             self.kafka.poll(timeout)
+            self._answer()
+            if not self._deliveries:
+                return  # (the next step's wait takes the frames that came meanwhile)
             timeout = 0.0
         self._take(timeout)
         if self._window_started is not None:
@@ -174,7 +178,7 @@ class Relay:
                 time.sleep(wait)
                 self._take(0.0)
             self._send_pending()
-        self._answer()
+            self._answer()  # (a message Kafka's client refused at once is answered now)
 
     def _take(self, timeout: float | None) -> None:
         for key, events in self._selector.select(timeout):
@@ -211,13 +215,12 @@ class Relay:
         conn.received += data
         try:
             for frame in frames.split(conn.received):
-                kind = frame[:1]
-                if kind == frames.HELLO:
-                    conn.fingerprint = frame[1:]
-                elif kind == frames.ENTRY:
+                if frame[0] == _ENTRY:
                     self._gather(conn, *frames.parse_entry(frame))
+                elif frame[0] == _HELLO:
+                    conn.fingerprint = frame[1:]
                 else:
-                    raise frames.FrameError(f"a frame of type {kind!r}")
+                    raise frames.FrameError(f"a frame of type {frame[:1]!r}")
         except (frames.FrameError, UnicodeDecodeError) as exc:
             self.stats.refused += 1
             log.error("trainmon relay: closed a connection that sent what is not a trainmon "
@@ -256,9 +259,7 @@ class Relay:
                 self.stats.records += count(value)
 
     def _answer(self) -> None:
-        if not self._deliveries:
-            return
-        self.kafka.poll(0)
+        """Pass on the answers Kafka's client has reported (its poll runs the reports)."""
         answers: dict[int, tuple[_Connection, list[tuple[int, int]]]] = {}
         still = []
         for delivery, members in self._deliveries:
@@ -275,21 +276,28 @@ class Relay:
                     answers.setdefault(id(conn), (conn, []))[1].append((entry_id, status))
         self._deliveries = still
         for conn, statuses in answers.values():
-            conn.unsent += frames.answers(statuses)
-            self._write(conn)
+            self._write(conn, frames.answers(statuses))
 
-    def _write(self, conn: _Connection) -> None:
+    def _write(self, conn: _Connection, frame: bytes = b"") -> None:
+        """Write what waits for the rank, then ``frame``; what the socket does not take
+        waits (a frame after nothing waiting goes to the socket as it is)."""
         if not conn.open:
             return
         if conn.unsent:
+            conn.unsent += frame
+            frame = conn.unsent
+        if frame:
             try:
-                written = conn.sock.send(conn.unsent)
+                written = conn.sock.send(frame)
             except (BlockingIOError, InterruptedError):
                 written = 0
             except OSError:
                 self._drop(conn)
                 return
-            del conn.unsent[:written]
+            if frame is conn.unsent:
+                del conn.unsent[:written]
+            elif written < len(frame):
+                conn.unsent += frame[written:]
         if bool(conn.unsent) != conn.watching_writes:  # (a syscall: only when it changes)
             conn.watching_writes = bool(conn.unsent)
             events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.unsent else 0)
