@@ -53,6 +53,24 @@ def test_a_rank_takes_the_answers_in_whole_frames_and_keeps_a_partial_one():
             frames.take_answers(bytearray(not_answers))
 
 
+def test_a_frame_the_socket_cannot_take_waits_and_goes_first_once_it_can():
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    unsent = bytearray()
+    first, second = frames.entry(1, "t", b"k", b"x" * (4 << 20)), frames.entry(2, "t", b"k", b"y")
+    frames.write(ours, unsent, first)  # more than the socket's buffer takes at once
+    assert unsent and first.endswith(unsent)
+    frames.write(ours, unsent, second)  # behind what waits, never before it
+    theirs.settimeout(5)
+    received = bytearray()
+    while len(received) < len(first) + len(second):
+        received += theirs.recv(frames.READ_BYTES)
+        frames.write(ours, unsent)
+    assert received == first + second and not unsent
+    ours.close()
+    theirs.close()
+
+
 def test_frames_that_are_not_the_format_are_refused_by_name():
     with pytest.raises(frames.FrameError, match="empty frame"):
         frames.split(bytearray(b"\0\0\0\0"))

@@ -32,7 +32,6 @@ _MAX_UNSENT_BYTES = 8 << 20
 # The relay answers within Kafka's delivery timeout; this much more is the relay's own
 # share (its pack window, its loop) before an unanswered message counts as lost.
 _ANSWER_GRACE_S = 5.0
-_READ_BYTES = 1 << 16
 
 
 class RelayTransport:
@@ -130,30 +129,18 @@ class RelayTransport:
             log.info("trainmon: the relay at %s answers again", self.path)
 
     def _write(self, frame: bytes = b"") -> None:
-        """Write what waits unsent, then ``frame``; what the socket does not take waits.
-        (A frame after nothing unsent goes to the socket as it is: at training rates
-        every send, and copying it through the buffer costs a log call microseconds.)"""
-        if self._unsent:
-            self._unsent += frame
-            frame = self._unsent
-        if not frame or self._sock is None:
+        """Write what waits unsent, then ``frame`` (frames.write)."""
+        if self._sock is None:
             return
         try:
-            written = self._sock.send(frame)
-        except (BlockingIOError, InterruptedError):
-            written = 0
+            frames.write(self._sock, self._unsent, frame)
         except OSError as exc:
             self._break(f"writing to the relay failed: {exc}")
-            return
-        if frame is self._unsent:
-            del self._unsent[:written]
-        elif written < len(frame):
-            self._unsent += frame[written:]
 
     def _read(self) -> None:
         while self._sock is not None:
             try:
-                data = self._sock.recv(_READ_BYTES)
+                data = self._sock.recv(frames.READ_BYTES)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:
@@ -163,7 +150,7 @@ class RelayTransport:
                 self._break("the relay closed the connection")
                 break
             self._received += data
-            if len(data) < _READ_BYTES:
+            if len(data) < frames.READ_BYTES:
                 # All the socket held: another recv would only raise EAGAIN, an exception
                 # that costs a log call microseconds with cold caches (1 step/s).
                 break

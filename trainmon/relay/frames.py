@@ -18,6 +18,7 @@ HELLO, ENTRY, ANSWERS = b"H", b"E", b"A"
 OK, FAILED = 0, 1
 
 _LENGTH = struct.Struct(">I")
+READ_BYTES = 1 << 16  # what one recv on the socket takes, either side
 _ENTRY = struct.Struct(">QHH")
 _ANSWER = struct.Struct(">QB")
 
@@ -86,3 +87,24 @@ def take_answers(buffer: bytearray) -> list[tuple[int, int]]:
         at = body + length - 1
     del buffer[:at]
     return answered
+
+
+def write(sock, unsent: bytearray, frame: bytes = b"") -> None:
+    """Write ``unsent`` (what the non-blocking ``sock`` did not take before), then
+    ``frame``; what the socket does not take stays in ``unsent``. A frame after nothing
+    unsent goes to the socket as it is: at training rates that is every send, and
+    copying it through the buffer costs a log call microseconds with cold caches. An
+    OSError other than a full socket is the caller's to handle."""
+    if unsent:
+        unsent += frame
+        frame = unsent
+    if not frame:
+        return
+    try:
+        written = sock.send(frame)
+    except (BlockingIOError, InterruptedError):
+        written = 0
+    if frame is unsent:
+        del unsent[:written]
+    elif written < len(frame):
+        unsent += frame[written:]

@@ -49,7 +49,6 @@ DEFAULT_WINDOW_S = 0.05
 # benchmarks/disk_budget.py's records), for less CPU.
 KAFKA_COMPRESSION = {"compression.type": "zstd", "compression.level": 1}
 _ANSWER_WAIT_S = 0.02  # the longest one wait for Kafka's answers keeps the ranks' frames waiting
-_READ_BYTES = 1 << 16
 
 
 def default_socket_path(env: dict | None = None) -> str:
@@ -204,7 +203,7 @@ class Relay:
 
     def _read(self, conn: _Connection) -> None:
         try:
-            data = conn.sock.recv(_READ_BYTES)
+            data = conn.sock.recv(frames.READ_BYTES)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
@@ -279,25 +278,14 @@ class Relay:
             self._write(conn, frames.answers(statuses))
 
     def _write(self, conn: _Connection, frame: bytes = b"") -> None:
-        """Write what waits for the rank, then ``frame``; what the socket does not take
-        waits (a frame after nothing waiting goes to the socket as it is)."""
+        """Write what waits for the rank, then ``frame`` (frames.write)."""
         if not conn.open:
             return
-        if conn.unsent:
-            conn.unsent += frame
-            frame = conn.unsent
-        if frame:
-            try:
-                written = conn.sock.send(frame)
-            except (BlockingIOError, InterruptedError):
-                written = 0
-            except OSError:
-                self._drop(conn)
-                return
-            if frame is conn.unsent:
-                del conn.unsent[:written]
-            elif written < len(frame):
-                conn.unsent += frame[written:]
+        try:
+            frames.write(conn.sock, conn.unsent, frame)
+        except OSError:
+            self._drop(conn)
+            return
         if bool(conn.unsent) != conn.watching_writes:  # (a syscall: only when it changes)
             conn.watching_writes = bool(conn.unsent)
             events = selectors.EVENT_READ | (selectors.EVENT_WRITE if conn.unsent else 0)
