@@ -139,7 +139,7 @@ def wakeups(before: dict, after: dict, seconds: float) -> dict[str, list[float]]
 
 
 def make_logger(library: str, bootstrap: str, tmp: str):
-    """(log(i), close()) for the library, connected and warmed up (one step logged)."""
+    """(log(i), close()) for the library, connected and warmed up (a step logged)."""
     if library in OURS:
         from trainmon.producer import Producer, ProducerConfig
 
@@ -147,8 +147,13 @@ def make_logger(library: str, bootstrap: str, tmp: str):
                                            rank=int(os.environ.get("BENCH_RANK", "0")),
                                            relay=os.environ["TRAINMON_RELAY"] if library == RELAY else None,
                                            spill_dir=Path(tmp) / "spill"))
-        producer.log_step(0, **step_fields(0))
-        assert producer.flush(30), "the broker did not take the warm-up record"
+        # Warmed up to what every later step does: the first record connects (through a
+        # relay, it learns there whether the relay writes records from a call's values),
+        # the second goes as a later one does (through a relay, laying out the step's
+        # shape once, relay/values.py).
+        for _ in range(2):
+            producer.log_step(0, **step_fields(0))
+            assert producer.flush(30), "the broker did not take the warm-up record"
         return (lambda i: producer.log_step(i, **step_fields(i))), producer.close
     if library == FLOOR:
         return (lambda i: None), (lambda: None)

@@ -19,7 +19,7 @@ from trainmon.broker import Broker, free_port
 from trainmon.producer import Producer, ProducerConfig
 from trainmon.relay import frames
 from trainmon.relay.server import Relay, serve_metrics
-from trainmon.schemas import SCHEMA_HEADER, schema_fingerprint, unpack
+from trainmon.schemas import SCHEMA_HEADER, decode, encode, schema_fingerprint, unpack
 
 from .conftest import read_records, read_topic
 from .metrics_support import scrape
@@ -241,6 +241,61 @@ def test_a_forked_child_that_logs_connects_anew_and_the_parent_goes_on(
     finally:
         relay.close()
     assert relay.relay.stats.refused == 0 and relay.relay.stats.connections == 2
+
+
+def test_log_calls_at_training_rates_go_as_values_and_the_relay_writes_the_ranks_json(
+        make_producer, bootstrap, topic_prefix, relay_path):
+    """A log call that sends its own record (a training loop's pace) sends its numbers;
+    the relay writes the JSON the rank's encoder would (pydantic's bytes of the record)."""
+    relay = RelayThread(relay_path, bootstrap)
+    try:
+        producer = make_producer(run_id="relay-values", rank=1, world_size=2, relay=relay_path,
+                                 linger_ms=0, pack_window_ms=0)
+        assert producer.log_step(0, loss=2.0) and producer.flush(30)  # (as JSON: the hello's answer came after)
+        for step in range(1, 6):
+            wait_until(lambda: producer._worker._watching, what="the sender thread to watch (a log call sends)")
+            assert producer.log_step(step, loss=2.0 + step, duration_ms=100.0, step_tokens=4096,
+                                     timers={"forward": 40, "backward": 60.5})
+        assert producer.flush(30)
+        records = {r.step: r for r in read_records(bootstrap, topic_prefix, "step", 6)}
+        assert sorted(records) == list(range(6))
+        assert records[5].timers == {"forward": 40.0, "backward": 60.5} and records[5].tokens_per_second == 40960.0
+        assert records[5].event_id.endswith("-5") and records[5].rank == 1
+        lines = [line for m in read_topic(bootstrap, topics.topic_for("step", topic_prefix), 1) for line in unpack(m.value)]
+        assert len(lines) == 6 and all(encode(decode("step", line)) == line for line in lines)
+    finally:
+        relay.close()
+    assert relay.relay.stats.written == 5 and relay.relay.stats.records == 6
+
+
+def test_a_layout_the_relay_refuses_turns_values_off_and_values_of_no_layout_close_the_connection(
+        bootstrap, relay_path):
+    relay = RelayThread(relay_path, bootstrap)
+    try:
+        rank = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        rank.connect(relay_path)
+        rank.settimeout(10)
+        received = bytearray()
+
+        def answers(n: int) -> list:
+            got: list = []
+            while len(got) < n:
+                received.extend(rank.recv(65536))
+                got += frames.take_answers(received)
+            return got
+
+        rank.sendall(frames.hello(schema_fingerprint()))
+        assert answers(1) == [(frames.HELLO_ID, frames.TAKES_VALUES)]  # the relay's own schema
+        spec = frames.layout_spec("t.step", b"run", "step", (("run_id", "r"),), "p", ("step", "nonesuch"), (1, 2.0))
+        values = frames.values_packer(spec["codes"])
+        rank.sendall(frames.layout(1, spec) + values.pack(values.size - 4, frames.VALUES, 9, 1, 1.7e9, 1, 1, 2.0))
+        assert answers(2) == [(frames.HELLO_ID, frames.FAILED), (9, frames.FAILED)]  # JSON from now on, this one too
+        rank.sendall(values.pack(values.size - 4, frames.VALUES, 10, 2, 1.7e9, 2, 1, 2.0))  # layout 2: never laid out
+        wait_until(lambda: rank.recv(1) == b"", what="the relay to close the connection")
+        rank.close()
+    finally:
+        relay.close()
+    assert relay.relay.stats.refused == 1 and relay.relay.stats.written == 0
 
 
 @pytest.mark.kafka

@@ -1,7 +1,9 @@
 """The rank's side of the relay (kafka_client/relay_transport.py) against a stand-in relay
 on a real Unix socket, in memory: answers reach the right handler, and a broken
 connection's messages in flight are reported at the next serve, never from a send, in
-order, before anything goes over a new connection."""
+order, before anything goes over a new connection. A log call's values go as numbers
+only to a relay that said it writes them, and come back as the rank's own JSON when they
+fail."""
 
 from __future__ import annotations
 
@@ -12,7 +14,11 @@ import pytest
 from trainmon.kafka_client.errors import TransportUnavailable
 from trainmon.kafka_client.relay_transport import RelayTransport
 from trainmon.kafka_client.transport import TransportSettings
+from trainmon.producer.deferred import checked_values, queued
+from trainmon.producer.encoding import Encoder
 from trainmon.relay import frames
+from trainmon.relay.values import layout_from_spec
+from trainmon.schemas import StepRecord
 
 from .waiting import wait_until
 
@@ -37,6 +43,13 @@ class StandIn:
         while len(got) < n:
             self.buffer += self.conn.recv(65536)
             got += [frames.parse_entry(f) for f in frames.split(self.buffer) if f[:1] == frames.ENTRY]
+        return got
+
+    def frames(self, n: int) -> list[bytes]:
+        got: list = []
+        while len(got) < n:
+            self.buffer += self.conn.recv(65536)
+            got += [f for f in frames.split(self.buffer) if f[:1] != frames.HELLO]
         return got
 
     def answer(self, statuses) -> None:
@@ -105,3 +118,75 @@ def test_a_connection_broken_with_nothing_in_flight_is_made_anew_at_the_next_sen
     t.send(("t.step", b"run", b"b"))  # no serve in between
     relay.accept()
     assert [value for *_, value in relay.entries(1)] == [b"b"] and failed == []
+
+
+ENVELOPE = (("run_id", "values"), ("rank", 3), ("world_size", 8), ("host", "node-1"))
+REJECTED: list = []
+ENCODER = Encoder([], 1_000_000, lambda record, reason: REJECTED.append(reason))
+
+
+def step_item(step: int, **fields) -> tuple:
+    """A log call's queued values, as deferred.queued makes them."""
+    fields = {"step": step, "loss": 2.5, "duration_ms": 812, "step_tokens": 524288, **fields}
+    return queued(StepRecord, ENVELOPE, 1.7e9 + step / 3, "prefix", step, checked_values(StepRecord, fields))
+
+
+def welcomed(relay, failed: list) -> RelayTransport:
+    """A transport whose relay answered its hello: it writes records from values."""
+    t = transport(relay, failed)
+    t.send(("t.step", b"run", b"{}"))
+    relay.accept()
+    ((first, *_),) = relay.entries(1)
+    relay.answer([(frames.HELLO_ID, frames.TAKES_VALUES), (first, frames.OK)])
+    wait_until(lambda: (t.serve(0.05), not t.in_flight)[1], what="the answers")
+    return t
+
+
+def test_a_calls_values_go_as_numbers_and_the_relay_writes_the_json_the_rank_would(relay):
+    t = welcomed(relay, [])
+    items = [step_item(1, timers={"forward": 80, "backward": 160.5}), step_item(2, timers={"forward": 81.0, "backward": 1.0}),
+             step_item(3, norm=0.9), step_item(4, timers={"forward": 1e300, "backward": float("inf")})]
+    assert all(t.send_values("t.step", b"run", item, ENCODER.entry) for item in items)
+    layout_a, values_1, values_2, layout_b, values_3, values_4 = relay.frames(6)  # a layout once per shape
+    assert [f[:1] for f in (layout_a, layout_b)] == [frames.LAYOUT] * 2
+    layouts = {}
+    for frame in (layout_a, layout_b):
+        layout_id, spec = frames.parse_layout(frame)
+        layouts[layout_id] = layout_from_spec(layout_id, spec)
+    for frame, item in zip((values_1, values_2, values_3, values_4), items):
+        entry_id, layout_id = frames.values_ids(frame)
+        layout = layouts[layout_id]
+        written = layout.write(*frames.read_values(frame, layout.reader))
+        assert (layout.topic, layout.key, written) == ENCODER.entry("t.step", b"run", item)
+        assert entry_id == item[4] + 1  # (the first entry went as JSON)
+    assert t.in_flight == 4
+
+
+def test_values_go_only_to_a_relay_that_said_it_writes_them_and_never_past_64_bits(relay):
+    t = transport(relay, [])
+    assert not t.send_values("t.step", b"run", step_item(1), ENCODER.entry)  # no hello answered yet
+    t = welcomed(relay, [])
+    # (the schema bounds every int field to 64 bits; a value past them would go as JSON)
+    past_64_bits = (*step_item(2)[:5], ("step", "step_tokens", "loss"), (2, 2**70, 2.5))
+    assert not t.send_values("t.step", b"run", past_64_bits, ENCODER.entry)
+    assert t.send_values("t.step", b"run", (*past_64_bits[:6], (2, 2**40, 2.5)), ENCODER.entry)
+    relay.answer([(frames.HELLO_ID, frames.FAILED)])  # a relay that refused a layout: JSON from now on
+    wait_until(lambda: (t.serve(0.05), not t._takes_values)[1], what="the refusal")
+    assert not t.send_values("t.step", b"run", step_item(3), ENCODER.entry)
+
+
+def test_values_that_fail_come_back_as_the_ranks_own_json(relay):
+    failed: list = []
+    t = welcomed(relay, failed)
+    first, second, third = step_item(1), step_item(2), step_item(3)
+    for item in (first, second, third):
+        assert t.send_values("t.step", b"run", item, ENCODER.entry)
+    frames_sent = relay.frames(4)
+    ids = [frames.values_ids(f)[0] for f in frames_sent[1:]]
+    relay.answer([(ids[0], frames.FAILED)])  # Kafka gave up on it behind the relay
+    wait_until(lambda: (t.serve(0.05), failed)[1], what="the failure")
+    assert failed == [ENCODER.entry("t.step", b"run", first)]
+    relay.conn.close()  # the relay goes away with the other two unanswered
+    wait_until(lambda: (t.serve(0.05), len(failed) == 3)[1], what="the lost connection's messages")
+    assert failed[1:] == [ENCODER.entry("t.step", b"run", item) for item in (second, third)]
+    assert not REJECTED

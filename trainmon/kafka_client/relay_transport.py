@@ -10,6 +10,12 @@ the connection fails, or still unanswered after the delivery timeout (a relay th
 goes to ``on_undelivered``, so the worker spills it and sends it again once a connection
 works. A message the relay stored but whose answer was lost is sent again: a duplicate in
 Kafka, which every consumer keeps once (by event id), as after a librdkafka resend.
+
+A relay that runs the rank's own schema says so in its answer to the hello; from then on
+a log call's checked values go as numbers (``send_values``: one ``struct`` pack into a
+frame of the call's layout, declared once per connection) and the relay writes their
+JSON (relay/values.py). Should such a message fail, the rank writes its JSON itself (the
+worker's encoder) before it hands it to ``on_undelivered``.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import logging
 import select
 import socket
+import struct
 import time
 from typing import Callable
 
@@ -32,21 +39,42 @@ _MAX_UNSENT_BYTES = 8 << 20
 # The relay answers within Kafka's delivery timeout; this much more is the relay's own
 # share (its pack window, its loop) before an unanswered message counts as lost.
 _ANSWER_GRACE_S = 5.0
+Encode = Callable[[str, bytes, tuple], "Entry | None"]  # the worker's encoder: a log call's values -> its entry
+
+
+class _Values:
+    """A log call's values the relay was to write: the entry they make, should the rank
+    have to keep them (None: the encoder rejected them, counted and logged)."""
+
+    __slots__ = ("topic", "key", "item", "encode")
+
+    def __init__(self, topic: str, key: bytes, item: tuple, encode: Encode):
+        self.topic, self.key, self.item, self.encode = topic, key, item, encode
+
+    def entry(self) -> Entry | None:
+        return self.encode(self.topic, self.key, self.item)
 
 
 class RelayTransport:
     # A send is one non-blocking write to a local socket: a log call may send its own record.
     sends_without_blocking = True
+    # ... without reading the answers to the earlier ones first (worker.py reads them later).
+    answers_may_wait = True
 
     def __init__(self, path: str, config: TransportSettings, on_undelivered: Undelivered):
         self.path = path
         self._on_undelivered = on_undelivered
+        self._max_layout_bytes = config.max_message_bytes // 2  # (a record's JSON is under twice its layout's)
         self._answer_within_s = config.delivery_timeout_ms / 1000 + _ANSWER_GRACE_S
         self._sock: socket.socket | None = None
         self._unsent = bytearray()
         self._received = bytearray()
-        # id -> (entry, sent at, its failure handler or None for the transport's own); in id order
-        self._waiting: dict[int, tuple[Entry, float, Undelivered | None]] = {}
+        # id -> (entry or values, sent at, its failure handler or None for the transport's own); in id order
+        self._waiting: dict[int, tuple[Entry | _Values, float, Undelivered | None]] = {}
+        self._takes_values = False  # the relay said it writes records from values (this connection)
+        # (topic, key, kind, envelope, id prefix, names) -> (layout id, values_packer), or
+        # None where the call's values go as JSON (this connection)
+        self._layouts: dict[tuple, tuple[int, struct.Struct] | None] = {}
         self._last_id = 0
         self._broken: str | None = None  # why the connection broke, until serve reports its messages
         self._said_away = False
@@ -78,6 +106,52 @@ class RelayTransport:
         if self._broken is not None:  # this write found the connection broken
             del self._waiting[self._last_id]
             raise TransportUnavailable(self._broken)
+
+    def send_values(self, topic: str, key: bytes, item: tuple, encode: Encode) -> bool:
+        """Send a log call's checked values (``deferred.queued``'s item) for the relay to
+        write as JSON; False where they do not go so (a relay that does not write them, a
+        layout that does not fit, a connection that broke): the caller sends the entry."""
+        if not self._takes_values or self._broken is not None:
+            return False
+        kind, envelope, when, id_prefix, id_number, names, values = item
+        shape = (topic, key, kind, envelope, id_prefix, names)
+        layout = self._layouts.get(shape, False)
+        if layout is False:
+            layout = self._lay_out(shape, values)
+        if layout is None or len(self._unsent) > _MAX_UNSENT_BYTES:
+            return False
+        layout_id, packer = layout
+        entry_id = self._last_id + 1
+        try:
+            frame = packer.pack(packer.size - 4, frames.VALUES, entry_id, layout_id, when, id_number, *values)
+        except struct.error:  # (an int past 64 bits: its JSON goes)
+            return False
+        self._last_id = entry_id
+        self._waiting[entry_id] = (_Values(topic, key, item, encode), time.monotonic(), None)
+        self._write(frame)
+        if self._broken is not None:  # this write found the connection broken
+            del self._waiting[entry_id]
+            return False
+        return True
+
+    def _lay_out(self, shape: tuple, values: tuple) -> tuple[int, struct.Struct] | None:
+        """Declare a call's layout to the relay (frames.layout); None where its values go as
+        JSON."""
+        if len(self._layouts) >= frames.MAX_LAYOUTS:
+            return None
+        topic, key, kind, envelope, id_prefix, names = shape
+        spec = frames.layout_spec(topic, key, kind, envelope, id_prefix, names, values)
+        layout_id = len(self._layouts) + 1
+        try:
+            frame = None if spec is None else frames.layout(layout_id, spec)
+        except (TypeError, ValueError):  # an envelope value JSON does not hold
+            frame = None
+        if frame is None or len(frame) + 32 * len(values) + 4096 > self._max_layout_bytes:
+            self._layouts[shape] = None
+            return None
+        self._write(frame)
+        layout = self._layouts[shape] = (layout_id, frames.values_packer(spec["codes"]))
+        return layout
 
     def serve(self, timeout: float = 0.0) -> None:
         """Collect the relay's answers (waiting up to ``timeout`` for some while messages are
@@ -123,6 +197,7 @@ class RelayTransport:
         from ..schemas import schema_fingerprint
 
         self._sock = sock
+        self._takes_values, self._layouts = False, {}  # (until this relay answers the hello)
         self._unsent += frames.hello(schema_fingerprint())
         if self._said_away:
             self._said_away = False
@@ -161,13 +236,15 @@ class RelayTransport:
             return
         for entry_id, status in answered:
             item = self._waiting.pop(entry_id, None)
-            if item is None:  # given up on already (and kept by the worker)
+            if item is None:  # given up on already (and kept by the worker), or the hello
+                if entry_id == frames.HELLO_ID:
+                    self._takes_values = status == frames.TAKES_VALUES
                 continue
             if status == frames.OK:
                 if self.on_ack is not None:
                     self.on_ack()
             else:
-                (item[2] or self._on_undelivered)([item[0]])
+                self._report(item)
 
     def _give_up_on_old(self) -> None:
         if self._waiting:
@@ -192,5 +269,14 @@ class RelayTransport:
         if not waiting:
             return
         log.warning("trainmon: %s; %d message(s) kept to send again", reason, len(waiting))
-        for entry, _, on_undelivered in waiting.values():
-            (on_undelivered or self._on_undelivered)([entry])
+        for item in waiting.values():
+            self._report(item)
+
+    def _report(self, waiting: tuple[Entry | _Values, float, Undelivered | None]) -> None:
+        """A message that failed, to its failure handler (values written as JSON first)."""
+        message, _, on_undelivered = waiting
+        if type(message) is _Values:
+            message = message.entry()
+            if message is None:
+                return
+        (on_undelivered or self._on_undelivered)([message])

@@ -287,6 +287,14 @@ def passes_quick_check(model: type[Record], fields: dict) -> bool:
 _RULES: dict[type[Record], dict[str, _Rule]] = {}
 
 
+def rules_for(model: type[Record]) -> dict[str, _Rule]:
+    """field_rules(model), made once per model (it reads the model's declarations)."""
+    rules = _RULES.get(model)
+    if rules is None:
+        rules = _RULES[model] = field_rules(model)
+    return rules
+
+
 def field_rules(model: type[Record]) -> dict[str, _Rule]:
     """name -> rule, for the fields of ``model`` a caller sets whose declaration the quick
     check models; empty when no call to this model may skip pydantic."""

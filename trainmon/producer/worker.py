@@ -70,6 +70,9 @@ _HOLD_CHECK_EVERY = 16
 # reports: a message Kafka gives up on (after the 5 s delivery timeout) is on disk within
 # this much more, even if the loop logs nothing after it.
 _WATCH_S = 10.0
+# Messages a log call may leave unanswered before it reads the answers itself, where the
+# transport's answers may wait (the thread's watch reads them every _WATCH_S).
+_UNREAD_ANSWERS_MAX = 64
 # After an error the sender thread did not expect, it pauses this long before its next
 # tick, twice as long after each further error in a row, up to the maximum.
 _ERROR_PAUSE_MIN_S = 0.01
@@ -150,6 +153,15 @@ class Worker:
         self._serving_for_caller = False  # Kafka's reports are being collected by a log call
         self._callers_may_send = (self._quiet_calls_send
                                   and getattr(self._transport, "sends_without_blocking", False))
+        # A transport whose answers a log call need not read before it sends (the relay's:
+        # reading them is a recv, tens of µs with cold caches at 1 step/s). The thread reads
+        # them at its watch (_WATCH_S), a flush at once; a message that failed is kept
+        # then, and records sent meanwhile may reach Kafka before it is sent again, as the
+        # thread's own messages sent while earlier ones were unanswered may.
+        self._answers_may_wait = getattr(self._transport, "answers_may_wait", False)
+        # A transport that takes a log call's checked values and has them written as JSON
+        # elsewhere (the node's relay: kafka_client/relay_transport.py), or None.
+        self._send_values = getattr(self._transport, "send_values", None)
 
     @property
     def sent(self) -> int:
@@ -233,24 +245,29 @@ class Worker:
                 return False
             # Kafka's reports of earlier messages first (librdkafka counts a message until
             # its report is collected, even a success): only with every one of them
-            # answered, and none failed, may this record go ahead of the thread.
+            # answered, and none failed, may this record go ahead of the thread. Except
+            # where answers may wait (the relay's: see _answers_may_wait).
             transport, delivery = self._transport, self._delivery
-            delivery.serving_for_caller = True
-            try:
-                transport.serve()
-            finally:
-                delivery.serving_for_caller = False
-            if transport.in_flight or self._backlog.records or now < delivery.retry_at:
+            if not (self._answers_may_wait and transport.in_flight < _UNREAD_ANSWERS_MAX):
+                delivery.serving_for_caller = True
+                try:
+                    transport.serve()
+                finally:
+                    delivery.serving_for_caller = False
+                if transport.in_flight:
+                    return False
+            if self._backlog.records or now < delivery.retry_at:
                 return False
-            entry = self._encoder.entry(topic, key, record)
-            if entry is None:  # rejected (counted and logged)
-                return True
-            try:
-                transport.send(entry)
-            except TransportUnavailable:
-                self._items.put(_Encoded(entry))  # the thread spills it and backs off
-                self._watching = False
-                return True
+            if self._send_values is None or not self._send_values(topic, key, record, self._encoder.entry):
+                entry = self._encoder.entry(topic, key, record)
+                if entry is None:  # rejected (counted and logged)
+                    return True
+                try:
+                    transport.send(entry)
+                except TransportUnavailable:
+                    self._items.put(_Encoded(entry))  # the thread spills it and backs off
+                    self._watching = False
+                    return True
             delivery.sent += 1
             self._sent_by_callers += 1
             self._last_sent = now

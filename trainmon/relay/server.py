@@ -17,6 +17,11 @@ again (a message may then reach Kafka twice; consumers keep a record once, by ev
 Ordering: one Kafka request in flight, messages in arrival order, so each rank's records
 keep their order.
 
+Values: a rank whose schema is the relay's (its hello's fingerprint) sends a log call's
+numbers instead of its JSON, and the relay writes the JSON (relay/values.py): at training
+rates the rank's log call runs with cold caches, where packing numbers costs a fraction
+of writing JSON, and the relay, warm, writes every rank's records of the window at once.
+
 Everything runs on one thread around a selector; the Kafka client is trainmon's own
 (kafka_client.Producer). SIGTERM / SIGINT: stop taking connections, send what is pending,
 wait for Kafka's answers (up to ``close_timeout_s``), remove the socket.
@@ -37,8 +42,9 @@ from dataclasses import dataclass, field
 
 from ..kafka_client import Producer
 from ..kafka_client.producer import Delivery
-from ..schemas import MAX_MESSAGE_BYTES, MAX_RECORDS_PER_MESSAGE, SCHEMA_HEADER, count, pack
+from ..schemas import MAX_MESSAGE_BYTES, MAX_RECORDS_PER_MESSAGE, SCHEMA_HEADER, count, pack, schema_fingerprint
 from . import frames
+from .values import Layout, LayoutRefused, layout_from_spec
 
 log = logging.getLogger("trainmon.relay")
 
@@ -68,11 +74,15 @@ class _Connection:
     unsent: bytearray = field(default_factory=bytearray)
     open: bool = True
     watching_writes: bool = False  # registered for EVENT_WRITE: answers wait for room
+    layouts: dict[int, Layout | None] = field(default_factory=dict)  # (None: refused)
 
 
-_Member = tuple[_Connection, int, bytes]  # a rank's message: its connection, its id, the value
+# A rank's message: its connection, its id, the value (or a values frame and its layout,
+# written as JSON when the window is sent: _written)
+_Member = tuple[_Connection, int, "bytes | tuple[Layout, bytes]"]
 _WAKE = "wake"  # the selector's data for the wake-up socket
-_ENTRY, _HELLO = frames.ENTRY[0], frames.HELLO[0]  # a frame's first byte, as frame[0] reads it
+# a frame's first byte, as frame[0] reads it
+_ENTRY, _HELLO, _LAYOUT, _VALUES = frames.ENTRY[0], frames.HELLO[0], frames.LAYOUT[0], frames.VALUES[0]
 
 
 @dataclass
@@ -82,6 +92,7 @@ class RelayStats:
     records: int = 0
     kafka_messages: int = 0
     failed: int = 0  # entries answered FAILED
+    written: int = 0  # records the relay wrote from a rank's values (frames V)
     refused: int = 0  # frames that were not of the format (their connection closed)
 
 
@@ -102,6 +113,7 @@ class Relay:
             "max.in.flight.requests.per.connection": 1, "message.timeout.ms": delivery_timeout_ms,
             "request.timeout.ms": min(4000, delivery_timeout_ms)})
         self.stats = RelayStats()
+        self._fingerprint = schema_fingerprint()  # a rank with this one may send values
         self._selector = selectors.DefaultSelector()
         # The current window's messages by (topic, key, schema fingerprint), in arrival order.
         self._pending: dict[tuple[str, bytes, bytes], list[_Member]] = {}
@@ -214,10 +226,18 @@ class Relay:
         conn.received += data
         try:
             for frame in frames.split(conn.received):
-                if frame[0] == _ENTRY:
+                if not conn.open:  # (an answer this loop wrote found the rank gone)
+                    return
+                if frame[0] == _VALUES:
+                    self._take_values(conn, frame)
+                elif frame[0] == _ENTRY:
                     self._gather(conn, *frames.parse_entry(frame))
                 elif frame[0] == _HELLO:
                     conn.fingerprint = frame[1:]
+                    if conn.fingerprint == self._fingerprint:  # (the same records: values will do)
+                        self._write(conn, frames.answers([(frames.HELLO_ID, frames.TAKES_VALUES)]))
+                elif frame[0] == _LAYOUT:
+                    self._take_layout(conn, *frames.parse_layout(frame))
                 else:
                     raise frames.FrameError(f"a frame of type {frame[:1]!r}")
         except (frames.FrameError, UnicodeDecodeError) as exc:
@@ -225,6 +245,35 @@ class Relay:
             log.error("trainmon relay: closed a connection that sent what is not a trainmon "
                       "producer's frame (%s)", exc)
             self._drop(conn)
+
+    def _take_layout(self, conn: _Connection, layout_id: int, spec: dict) -> None:
+        try:
+            if conn.fingerprint != self._fingerprint:
+                raise LayoutRefused(f"layout {layout_id} from a rank whose schema is not the relay's")
+            if layout_id not in conn.layouts and len(conn.layouts) >= frames.MAX_LAYOUTS:
+                raise LayoutRefused(f"layout {layout_id}: more than {frames.MAX_LAYOUTS} on one connection")
+            conn.layouts[layout_id] = layout_from_spec(layout_id, spec)
+        except LayoutRefused as exc:
+            # Not the rank's fault alone (another trainmon version on either side, say):
+            # its records still go, as JSON it writes itself from now on.
+            conn.layouts[layout_id] = None
+            log.error("trainmon relay: a rank's %s; it sends its records' JSON instead", exc)
+            self._write(conn, frames.answers([(frames.HELLO_ID, frames.FAILED)]))
+
+    def _take_values(self, conn: _Connection, frame: bytes) -> None:
+        """A rank's values (relay/values.py), written as JSON when the window goes out
+        (_written); answered FAILED at once where its layout was refused (the rank writes
+        it itself)."""
+        entry_id, layout_id = frames.values_ids(frame)
+        if layout_id not in conn.layouts:
+            raise frames.FrameError(f"values of layout {layout_id}, which the rank did not lay out")
+        layout = conn.layouts[layout_id]
+        if layout is None:
+            self.stats.failed += 1
+            self._write(conn, frames.answers([(entry_id, frames.FAILED)]))
+            return
+        frames.check_values(frame, layout.reader)
+        self._gather(conn, entry_id, layout.topic, layout.key, (layout, frame))
 
     def _gather(self, conn: _Connection, entry_id: int, topic: str, key: bytes, value: bytes) -> None:
         if self._window_started is None:
@@ -251,11 +300,32 @@ class Relay:
         pending, self._pending, self._window_started = self._pending, {}, None
         for (topic, key, fingerprint), members in pending.items():
             headers = [(SCHEMA_HEADER, fingerprint)] if fingerprint else None
-            for chunk in _chunks(members):
+            for chunk in _chunks(self._written(members)):
                 value = pack([value for _, _, value in chunk])
                 self._deliveries.append((self.kafka.send(topic, value, key=key or None, headers=headers), chunk))
                 self.stats.kafka_messages += 1
                 self.stats.records += count(value)
+
+    def _written(self, members: list[_Member]) -> list[_Member]:
+        """The members, values written as JSON; one that cannot be written is answered
+        FAILED (the rank then writes it itself). All of a window's at once, not as each
+        frame comes: at 1 step/s the relay's caches are as cold as a rank's, and the first
+        record warms them for the others."""
+        written = []
+        for conn, entry_id, value in members:
+            if type(value) is tuple:
+                layout, frame = value
+                try:
+                    value = layout.write(*frames.read_values(frame, layout.reader))
+                except Exception as exc:  # (a derived field's validator, say): the rank's to judge
+                    log.warning("trainmon relay: could not write a %s record from a rank's values (%s: %s); "
+                                "the rank writes it itself", layout.model.kind, type(exc).__name__, exc)
+                    self.stats.failed += 1
+                    self._write(conn, frames.answers([(entry_id, frames.FAILED)]))
+                    continue
+                self.stats.written += 1
+            written.append((conn, entry_id, value))
+        return written
 
     def _answer(self) -> None:
         """Pass on the answers Kafka's client has reported (its poll runs the reports)."""
@@ -344,8 +414,10 @@ METRICS = {
     "entries": ("trainmon_relay_messages", "Messages taken from ranks (each one or more records)"),
     "records": ("trainmon_relay_records", "Records sent to Kafka"),
     "kafka_messages": ("trainmon_relay_kafka_messages", "Kafka messages sent, each packing ranks' messages"),
-    "failed": ("trainmon_relay_failed", "Rank messages answered FAILED: Kafka gave up on them, the ranks "
-                                        "keep them and send them again"),
+    "failed": ("trainmon_relay_failed", "Rank messages answered FAILED: Kafka gave up on them (or the relay "
+                                        "could not write a record from its values); the ranks keep them and "
+                                        "send them again"),
+    "written": ("trainmon_relay_written_records", "Records the relay wrote as JSON from a rank's values"),
     "refused": ("trainmon_relay_refused_connections", "Connections closed for sending what is not a "
                                                       "trainmon producer's frame"),
 }
