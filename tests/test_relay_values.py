@@ -8,13 +8,13 @@ import random
 
 import pytest
 
-from trainmon.producer.deferred import checked_values, field_rules, passes_quick_check, queued
+from trainmon.producer.deferred import checked_values, queued
 from trainmon.producer.encoding import Encoder
 from trainmon.relay import frames
 from trainmon.relay.values import LayoutRefused, layout_from_spec
 from trainmon.schemas import Record, StepRecord
 
-from .test_producer_quick_check import ODD_VALUES, _all_numbers_may_do, _required_missing
+from .test_producer_quick_check import _all_numbers_may_do, quickly_checked_calls
 
 ENVELOPE = (("run_id", "values"), ("rank", 0), ("world_size", 1), ("host", "h"))
 ENCODER = Encoder([], 1_000_000, lambda record, reason: None)
@@ -34,17 +34,8 @@ def through_the_relay(item: tuple) -> bytes:
 @pytest.mark.parametrize("model", [m for m in Record.registry.values() if _all_numbers_may_do(m)],
                          ids=lambda m: m.kind)
 def test_the_relay_writes_a_calls_values_as_the_ranks_encoder_does(model):
-    checks = field_rules(model)
-    rng = random.Random(f"relay-{model.kind}")
-    required = {n: 1 for n, f in model.model_fields.items() if f.is_required() and n in checks}
     written = 0
-    for number in range(3000):
-        fields = dict(required)
-        for name in rng.sample(sorted(checks), k=rng.randint(0, len(checks))):
-            fields[name] = rng.choice(ODD_VALUES)
-        if not passes_quick_check(model, fields) or _required_missing(model, fields):
-            continue
-        when = 1.7e9 + rng.choice([0, 0.5, 0.000001, 0.123456, 1 / 128])
+    for number, fields, when in quickly_checked_calls(model, random.Random(f"relay-{model.kind}")):
         item = queued(model, ENVELOPE, when, "prefix", number, checked_values(model, fields))
         assert through_the_relay(item) == ENCODER.entry("t.kind", b"run", item)[2], fields
         written += 1
