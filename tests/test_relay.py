@@ -17,6 +17,7 @@ import pytest
 from trainmon import topics
 from trainmon.broker import Broker, free_port
 from trainmon.producer import Producer, ProducerConfig
+from trainmon.producer.worker import _UNREAD_ANSWERS_MAX
 from trainmon.relay import frames
 from trainmon.relay.server import Relay, serve_metrics
 from trainmon.schemas import SCHEMA_HEADER, decode, encode, schema_fingerprint, unpack
@@ -266,6 +267,37 @@ def test_log_calls_at_training_rates_go_as_values_and_the_relay_writes_the_ranks
     finally:
         relay.close()
     assert relay.relay.stats.written == 5 and relay.relay.stats.records == 6
+
+
+def test_log_calls_leave_the_relays_answers_unread_up_to_a_bound(make_producer, bootstrap, relay_path):
+    """A log call through the relay sends without reading the answers to the earlier ones
+    (a recv: tens of µs with cold caches); it reads them only with _UNREAD_ANSWERS_MAX
+    unread, and a flush reads them all."""
+    relay = RelayThread(relay_path, bootstrap)
+    try:
+        producer = make_producer(run_id="relay-unread", relay=relay_path, linger_ms=0, pack_window_ms=0)
+        assert producer.log_step(0, loss=2.0) and producer.flush(30)
+        transport, read_by_calls = producer._worker._transport, []
+        serve = transport.serve
+
+        def counted_serve(*args, **kwargs):
+            if threading.current_thread() is threading.main_thread():  # (a log call's)
+                read_by_calls.append(transport.in_flight)
+            return serve(*args, **kwargs)
+
+        transport.serve = counted_serve
+        in_flight = []
+        for step in range(1, 4 * _UNREAD_ANSWERS_MAX):
+            wait_until(lambda: producer._worker._watching, what="the sender thread to watch (a log call sends)")
+            assert producer.log_step(step, loss=2.0)
+            in_flight.append(transport.in_flight)
+        assert max(in_flight) > 1  # answers left unread
+        assert read_by_calls and all(unread >= _UNREAD_ANSWERS_MAX for unread in read_by_calls)
+        assert len(read_by_calls) < len(in_flight) / 4  # (each call read them before)
+        assert producer.flush(30) and transport.in_flight == 0
+    finally:
+        relay.close()
+    assert relay.relay.stats.failed == 0 and relay.relay.stats.written > len(in_flight) / 2
 
 
 def test_a_layout_the_relay_refuses_turns_values_off_and_values_of_no_layout_close_the_connection(
