@@ -171,6 +171,11 @@ def median_of_measured(values: list[float]) -> float:
     return statistics.median(measured) if measured else math.nan
 
 
+def rate_text(value: float) -> str:
+    """A rate as printed; '-' where it was not measured (NaN)."""
+    return "-" if math.isnan(value) else f"{value:,.0f}"
+
+
 def latency_ms(endpoint, run_id: str) -> tuple[float, float, float]:
     out = sql(endpoint, "SELECT quantilesExact(0.5, 0.99, 1)(dateDiff('microsecond', time, _inserted_at)"
                         f" / 1000) FROM trainmon.step WHERE run_id = '{run_id}'")
@@ -272,7 +277,7 @@ def one_run(tmp: Path, bootstrap: str, broker, producers: int, total: int, batch
         print(f"run {index + 1} of {runs}: consumer alone {out['consumer']:,.0f} records/s "
               f"({out['drain_s']:.2f} s after joining its group in {out['join_s']:.2f} s; "
               f"{out['consumer_per_cpu_s']:,.0f} per service CPU-s); end to end "
-              f"{out['e2e']:,.0f} records/s ({out['e2e_s']:.2f} s; {out['e2e_steady']:,.0f}/s from 10 % to 90 % "
+              f"{out['e2e']:,.0f} records/s ({out['e2e_s']:.2f} s; {rate_text(out['e2e_steady'])}/s from 10 % to 90 % "
               f"of the rows; {out['e2e_per_cpu_s']:,.0f} per service "
               f"CPU-s); log calls {out['log_rate']:,.0f}/s, delivered to Kafka {out['delivered']:,.0f}/s; "
               f"latency under backlog p50 {p50:.0f} ms, p99 {p99:.0f} ms", flush=True)
@@ -342,7 +347,7 @@ def main() -> int:
     med = {k: median_of_measured([r[k] for r in results]) for k in ("consumer", "e2e", "e2e_steady",
                                                                       "consumer_per_cpu_s", "e2e_per_cpu_s",
                                                                       "backlog_p99")}
-    each = {k: ", ".join(f"{r[k]:,.0f}" for r in results) for k in ("consumer", "e2e", "e2e_steady")}
+    each = {k: ", ".join(rate_text(r[k]) for r in results) for k in ("consumer", "e2e", "e2e_steady")}
     print(f"medians of {len(results)} runs:")
     print(f"  consumer alone (the service drains the topics into ClickHouse): {med['consumer']:,.0f} records/s "
           f"(runs: {each['consumer']}); "
@@ -351,8 +356,8 @@ def main() -> int:
           f"(runs: {each['e2e']}); "
           f"{med['e2e_per_cpu_s']:,.0f} records per service CPU-second; latency under backlog p99 "
           f"{med['backlog_p99']:.0f} ms")
-    print(f"  end to end while the rows went from 10 % to 90 % of the records: {med['e2e_steady']:,.0f} "
-          f"records/s (runs: {each['e2e_steady']})")
+    print(f"  end to end while the rows went from 10 % to 90 % of the records: {rate_text(med['e2e_steady'])} "
+          f"records/s (runs: {each['e2e_steady']}; - where the rows came in too few steps to tell)")
     print(f"paced: {args.paced_rate:,.0f} records/s for {args.paced_seconds:.0f} s")
     print(f"  log call -> row visible: p50 {p50:.0f} ms, p99 {p99:.0f} ms, max {worst:.0f} ms")
     print("targets (issue #30):")
