@@ -57,6 +57,7 @@ def step_spec(**changes) -> dict:
     (dict(names=["step", "loss"]), "3 value codes for names that are not a list of as many"),
     (dict(envelope=[["rank", 0], ["loss", 1.0]]), "envelope must be"),
     (dict(envelope=[["rank", [0]]]), "envelope must be"),
+    (dict(envelope=[[["rank"], 0]]), "envelope must be"),  # (a name JSON may send that no dict takes)
     (dict(key="not hex"), "key must be hex"),
     (dict(topic=5), "must be strings"),
 ])

@@ -253,11 +253,12 @@ class Relay:
             if layout_id not in conn.layouts and len(conn.layouts) >= frames.MAX_LAYOUTS:
                 raise LayoutRefused(f"layout {layout_id}: more than {frames.MAX_LAYOUTS} on one connection")
             conn.layouts[layout_id] = layout_from_spec(layout_id, spec)
-        except LayoutRefused as exc:
+        except Exception as exc:  # LayoutRefused; anything else too: a rank's bytes never end the relay
             # Not the rank's fault alone (another trainmon version on either side, say):
             # its records still go, as JSON it writes itself from now on.
             conn.layouts[layout_id] = None
-            log.error("trainmon relay: a rank's %s; it sends its records' JSON instead", exc)
+            log.error("trainmon relay: a rank's %s; it sends its records' JSON instead",
+                      exc if isinstance(exc, LayoutRefused) else f"layout {layout_id}: {type(exc).__name__}: {exc}")
             self._write(conn, frames.answers([(frames.HELLO_ID, frames.FAILED)]))
 
     def _take_values(self, conn: _Connection, frame: bytes) -> None:

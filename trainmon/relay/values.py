@@ -57,7 +57,8 @@ def layout_from_spec(layout_id: int, spec: dict) -> Layout:
     model = Record.registry.get(kind)
     if model is None:
         refuse(f"no record kind {kind!r}")
-    if (type(envelope) is not list or not all(type(p) is list and len(p) == 2 and p[0] in Record.model_fields
+    if (type(envelope) is not list or not all(type(p) is list and len(p) == 2 and type(p[0]) is str
+                                              and p[0] in Record.model_fields
                                               and type(p[1]) in _ENVELOPE_VALUE_TYPES for p in envelope)):
         refuse("envelope must be [name, value] pairs of the envelope's fields")
     rules = rules_for(model)
