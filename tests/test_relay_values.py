@@ -77,7 +77,8 @@ def test_values_frames_that_are_not_the_format_are_refused_by_name():
         frames.values_ids(b"V\0\0")
     with pytest.raises(frames.FrameError, match="where its layout's take"):
         frames.check_values(b"V" + bytes(reader.size), reader)
-    with pytest.raises(frames.FrameError, match="not JSON"):
-        frames.parse_layout(b"L\0\1{nope")
+    for not_json in (b"{nope", b"\xff", b"[" * 100_000):
+        with pytest.raises(frames.FrameError, match="not JSON"):
+            frames.parse_layout(b"L\0\1" + not_json)
     with pytest.raises(frames.FrameError, match="not a JSON object"):
         frames.parse_layout(b"L\0\1[1]")

@@ -82,8 +82,8 @@ def parse_layout(frame: bytes) -> tuple[int, dict]:
     (layout_id,) = _LAYOUT_ID.unpack_from(frame, 1)
     try:
         spec = json.loads(frame[1 + _LAYOUT_ID.size:])
-    except ValueError as exc:
-        raise FrameError(f"layout {layout_id}: not JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # (RecursionError: brackets nested deeper than Python's stack)
+        raise FrameError(f"layout {layout_id}: not JSON ({type(exc).__name__})") from None
     if type(spec) is not dict:
         raise FrameError(f"layout {layout_id}: not a JSON object")
     return layout_id, spec
