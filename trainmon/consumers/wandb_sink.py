@@ -47,6 +47,10 @@ class WandbSink:
     # W&B fixes a run's project when the run is made: a new run's points wait this long for
     # its start record (another topic, so maybe a batch later) before it is made without.
     start_wait_s = 15.0
+    # A run's end (rank 0's run_end, on a topic of its own) may come in a batch before other
+    # ranks' last points: a run is finished once nothing came for this long after its end,
+    # not at once, or their points would reopen it (offline, a second run file).
+    end_grace_s = 15.0
 
     def __init__(self, *, directory: str | Path = ".", mode: str | None = None, project: str | None = None,
                  entity: str | None = None, run_name: str | None = None, barrier_timeout: float = 120.0):
@@ -78,7 +82,7 @@ class WandbSink:
                 settings=self._settings())
             run.define_metric(STEP_KEY)
             run.define_metric("*", step_metric=STEP_KEY)
-            entry = self._runs[work.run_id] = [run, 0.0]
+            entry = self._runs[work.run_id] = [run, 0.0, None]  # (run, last used, exit code once ended)
         elif work.start is not None and work.start.name and not self.run_name:
             entry[0].name = work.start.name
         entry[1] = time.monotonic()
@@ -101,7 +105,7 @@ class WandbSink:
         if rows:
             self._dirty.add(work.run_id)
         if work.ended is not None:
-            self._finish(work.run_id, 0 if work.ended == "success" else 1)
+            entry[2] = 0 if work.ended == "success" else 1  # (finished after end_grace_s: close_idle)
 
     def _add_pie(self, run_id: str, record: AllocatorRecord, row: dict) -> None:
         """A pie chart of the breakdown, when it changed since the last one of this rank."""
@@ -132,19 +136,20 @@ class WandbSink:
 
     def close_idle(self, idle_seconds: float) -> None:
         now = time.monotonic()
-        for run_id in [r for r, entry in self._runs.items() if now - entry[1] > idle_seconds]:
-            self._finish(run_id, 0)
+        for run_id in [r for r, entry in self._runs.items()
+                       if now - entry[1] > (idle_seconds if entry[2] is None else min(idle_seconds, self.end_grace_s))]:
+            self._finish(run_id)
 
-    def _finish(self, run_id: str, exit_code: int) -> None:
+    def _finish(self, run_id: str) -> None:
         entry = self._runs.pop(run_id, None)
         self._dirty.discard(run_id)
         if entry is not None:
-            entry[0].finish(exit_code=exit_code)  # waits until the run's data is written
+            entry[0].finish(exit_code=entry[2] or 0)  # waits until the run's data is written
 
     def close(self) -> None:
         self.flush()
         for run_id in list(self._runs):
-            self._finish(run_id, 0)
+            self._finish(run_id)
 
 
 def pie_chart(wandb, breakdown: list[tuple[str, float]], title: str):
