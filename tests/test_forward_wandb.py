@@ -86,3 +86,33 @@ def test_wandb_offline_run_holds_exactly_the_logged_series_also_after_replay(
     assert replay.stats.skipped == sent
     assert len(wandb_files(directory, "wb-run/1")) == 1
     assert read_run(directory, "wb-run/1")[0] == series
+
+
+def test_a_run_made_again_after_it_was_finished_keeps_the_project_and_name_of_its_start(tmp_path):
+    """A run's start may be long read when W&B makes the run again: finished after its
+    end and then given late points, or after the forwarder restarted. The start's project
+    and name (kept in the run's progress) name it then too, not W&B's default."""
+    from trainmon.consumers.forwarding import RunProgress, RunWork, config_updates
+    from trainmon.schemas import RunRecord, StepRecord
+
+    from .samples import envelope
+
+    start = RunRecord(**envelope(1, rank=0, run_id="late-run"), event="start", status="running",
+                      project="proj-late", name="late-name")
+    progress = RunProgress("late-run", config=config_updates(start))
+    step = StepRecord(**envelope(2, rank=0, run_id="late-run"), step=1, loss=2.5)
+    late = StepRecord(**envelope(3, rank=1, run_id="late-run"), step=2, loss=2.25)
+
+    sink = WandbSink(directory=tmp_path / "first", mode="offline")
+    sink.write(RunWork("late-run", progress, records=[step], config=progress.config, start=start))
+    sink.close()  # finished, as after its end's grace or a forwarder's stop
+    # Later: only points, in a batch without the start (another sink: a restarted forwarder;
+    # another directory: offline, a run's directory is named by the second it was made in).
+    sink = WandbSink(directory=tmp_path / "again", mode="offline")
+    sink.write(RunWork("late-run", progress, records=[late]))
+    sink.close()
+
+    for directory, point in (("first", ("train/loss", (1, 2.5))), ("again", ("rank1/train/loss", (2, 2.25)))):
+        series, _, _, [run] = read_run(tmp_path / directory, "late-run")
+        assert series[point[0]] == [point[1]]
+        assert (run["project"], run["display_name"]) == ("proj-late", "late-name")

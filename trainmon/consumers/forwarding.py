@@ -133,6 +133,14 @@ class RunWork:
         return "trainmon" in self.progress.config
 
     @property
+    def started_as(self) -> dict[str, Any]:
+        """The run start's own fields (run_id, project, name, ...): from this batch's start
+        record or one read before, by an earlier batch or by this forwarder before a
+        restart (kept in the progress), so a tracker that makes the run again later (W&B,
+        after finishing it) names it as the start did. {} before the start was read."""
+        return self.progress.config.get("trainmon") or {}
+
+    @property
     def empty(self) -> bool:
         return not self.records and self.config is None and self.ended is None
 

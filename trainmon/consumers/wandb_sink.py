@@ -73,11 +73,13 @@ class WandbSink:
     def _run(self, work: RunWork):
         entry = self._runs.get(work.run_id)
         if entry is None:
-            start = work.start
+            # The start's names, also where its record came in an earlier batch: a run made
+            # again (finished, then points came; a restarted forwarder) stays where it was.
+            started_as = work.started_as
             run = self._wandb.init(
                 id=wandb_run_id(work.run_id), resume="allow", reinit="create_new",
-                project=self.project or (start.project if start else None) or "trainmon",
-                entity=self.entity, name=self.run_name or (start.name if start else None) or work.run_id,
+                project=self.project or started_as.get("project") or "trainmon",
+                entity=self.entity, name=self.run_name or started_as.get("name") or work.run_id,
                 dir=str(self.directory), mode=self.mode, config=work.progress.config,
                 settings=self._settings())
             run.define_metric(STEP_KEY)

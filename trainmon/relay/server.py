@@ -270,11 +270,15 @@ class Relay:
             raise frames.FrameError(f"values of layout {layout_id}, which the rank did not lay out")
         layout = conn.layouts[layout_id]
         if layout is None:
-            self.stats.failed += 1
-            self._write(conn, frames.answers([(entry_id, frames.FAILED)]))
+            self._fail(conn, entry_id)
             return
         frames.check_values(frame, layout.reader)
         self._gather(conn, entry_id, layout.topic, layout.key, (layout, frame))
+
+    def _fail(self, conn: _Connection, entry_id: int) -> None:
+        """Answer a rank's values FAILED now: the rank writes their JSON itself and sends it."""
+        self.stats.failed += 1
+        self._write(conn, frames.answers([(entry_id, frames.FAILED)]))
 
     def _gather(self, conn: _Connection, entry_id: int, topic: str, key: bytes, value: bytes) -> None:
         if self._window_started is None:
@@ -321,8 +325,7 @@ class Relay:
                 except Exception as exc:  # (a derived field's validator, say): the rank's to judge
                     log.warning("trainmon relay: could not write a %s record from a rank's values (%s: %s); "
                                 "the rank writes it itself", layout.model.kind, type(exc).__name__, exc)
-                    self.stats.failed += 1
-                    self._write(conn, frames.answers([(entry_id, frames.FAILED)]))
+                    self._fail(conn, entry_id)
                     continue
                 self.stats.written += 1
             written.append((conn, entry_id, value))
