@@ -10,7 +10,9 @@ own, one after the other, trainmon against a broker:
   logged step while the loop logs at 1, 10 and 100 steps/s and sleeps in between, as a
   training loop waits on its GPU;
 - idle: CPU while connected and nothing is logged;
-- a tight loop of calls back to back: the caller's mean and p99, and CPU per step;
+- a tight loop of calls back to back: the caller's mean and p99, and CPU per step; beside
+  the p99, that of a bare computation as long as the median call, timed in the same
+  process: what the machine alone adds to a call of that length;
 - the floor: a no-op Python call made the same way (``no-op``), what a caller costs on this
   machine with nothing in it;
 - ``trainmon-relay``: trainmon through a node's relay (``trainmon relay``, its own process,
@@ -255,7 +257,38 @@ def run_case(library: str, case: str, seconds: float, bootstrap: str) -> dict:
     return {"cpu_s": cpu, "elapsed_s": elapsed, "steps": steps, "threads": threads,
             "t0": t0, "t1": t0 + elapsed,  # (CLOCK_MONOTONIC: the same in every process)
             "mean_us": statistics.fmean(timings) if timings else None,
-            "p99_us": percentile(timings, 99) if timings else None}
+            "p99_us": percentile(timings, 99) if timings else None,
+            "same_length_p99_us": same_length_p99(timings) if case == "tight" else None}
+
+
+def same_length_p99(timings: list[float]) -> float | None:
+    """The p99 of a computation that takes as long as the calls' median and does nothing
+    else (no allocation, no thread, no lock): what this machine alone adds to a call of
+    that length (interrupts, a shared core's other tenants). A caller's p99 cannot be
+    below it here. Timed once the library is closed. None for calls too short to tell."""
+    def spin(n: int) -> int:
+        total = 0
+        for i in range(n):
+            total += i
+        return total
+
+    clock = time.perf_counter_ns
+    median = timings[len(timings) // 2]
+    probe = []
+    for _ in range(2_000):
+        started = clock()
+        spin(1_000)
+        probe.append((clock() - started) / 1000.0)
+    per_step = sorted(probe)[len(probe) // 2] / 1_000
+    n = int(median / per_step)
+    if n < 10:
+        return None
+    spun = []
+    for _ in range(TIGHT_CALLS):
+        started = clock()
+        spin(n)
+        spun.append((clock() - started) / 1000.0)
+    return percentile(sorted(spun), 99)
 
 
 # -- the driver --------------------------------------------------------------------------
@@ -339,7 +372,8 @@ def merge_ranks(results: list[dict], relay_s: float) -> dict:
             "elapsed_s": mean(r["elapsed_s"] for r in results), "steps": mean(r["steps"] for r in results),
             "threads": results[0]["threads"], "ranks": ranks, "relay_cpu_s": relay_s / ranks,
             "mean_us": mean(r["mean_us"] for r in results) if results[0]["mean_us"] is not None else None,
-            "p99_us": max(r["p99_us"] for r in results) if results[0]["p99_us"] is not None else None}
+            "p99_us": max(r["p99_us"] for r in results) if results[0]["p99_us"] is not None else None,
+            "same_length_p99_us": max((r.get("same_length_p99_us") or 0 for r in results), default=0) or None}
 
 
 def process_cpu_s(pid: int) -> float:
@@ -452,8 +486,10 @@ def report_targets(results: dict, libraries: list[str], ours: str) -> None:
     idle = core_pct(results[(ours, "idle")])
     print(f"  idle <= 0.02 % of a core: {idle:.3f} % ({'met' if idle <= 0.02 else 'MISSED'})")
     tight = results[(ours, "tight")]
+    floor = tight.get("same_length_p99_us")
+    floor = f"; a bare computation as long as its median call: {floor:.1f} us" if floor else ""
     print(f"  caller p99 <= 20 us (tight loop): {tight['p99_us']:.1f} us "
-          f"({'met' if tight['p99_us'] <= 20 else 'MISSED'})")
+          f"({'met' if tight['p99_us'] <= 20 else 'MISSED'}{floor})")
     for case in map(str, RATES):
         p99 = results[(ours, case)]["p99_us"]
         floor = f"; a no-op call's: {results[(FLOOR, case)]['p99_us']:.1f} us" if FLOOR in libraries else ""

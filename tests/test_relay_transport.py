@@ -167,9 +167,9 @@ def test_values_go_only_to_a_relay_that_said_it_writes_them_and_never_past_64_bi
     assert not t.send_values("t.step", b"run", step_item(1), ENCODER.entry)  # no hello answered yet
     t = welcomed(relay, [])
     # (the schema bounds every int field to 64 bits; a value past them would go as JSON)
-    past_64_bits = (*step_item(2)[:5], ("step", "step_tokens", "loss"), (2, 2**70, 2.5))
+    past_64_bits = (*step_item(2)[:5], ("step", "step_tokens", "loss"), 2, 2**70, 2.5)
     assert not t.send_values("t.step", b"run", past_64_bits, ENCODER.entry)
-    assert t.send_values("t.step", b"run", (*past_64_bits[:6], (2, 2**40, 2.5)), ENCODER.entry)
+    assert t.send_values("t.step", b"run", (*past_64_bits[:6], 2, 2**40, 2.5), ENCODER.entry)
     relay.answer([(frames.HELLO_ID, frames.FAILED)])  # a relay that refused a layout: JSON from now on
     wait_until(lambda: (t.serve(0.05), not t._takes_values)[1], what="the refusal")
     assert not t.send_values("t.step", b"run", step_item(3), ENCODER.entry)

@@ -22,7 +22,8 @@ ENCODER = Encoder([], 1_000_000, lambda record, reason: None)
 
 def through_the_relay(item: tuple) -> bytes:
     """The JSON the relay writes of a log call's values, sent as the rank sends them."""
-    kind, envelope, when, id_prefix, id_number, names, values = item
+    kind, envelope, when, id_prefix, id_number, names = item[:6]
+    values = item[6:]
     spec = frames.layout_spec("t.kind", b"run", kind, envelope, id_prefix, names, values)
     layout_id, spec = frames.parse_layout(frames.layout(7, spec)[4:])  # (past the length)
     layout = layout_from_spec(layout_id, spec)
@@ -45,7 +46,7 @@ def test_the_relay_writes_a_calls_values_as_the_ranks_encoder_does(model):
 def step_spec(**changes) -> dict:
     item = queued(StepRecord, ENVELOPE, 1.7e9, "prefix", 1,
                   checked_values(StepRecord, dict(step=1, loss=2.0, timers={"forward": 1.0})))
-    spec = frames.layout_spec("t.step", b"run", *item[:2], item[3], *item[5:])
+    spec = frames.layout_spec("t.step", b"run", *item[:2], item[3], item[5], item[6:])
     return {**frames.parse_layout(frames.layout(1, spec)[4:])[1], **changes}
 
 

@@ -117,7 +117,8 @@ class RelayTransport:
         layout that does not fit, a connection that broke): the caller sends the entry."""
         if not self._takes_values or self._broken is not None:
             return False
-        kind, envelope, when, id_prefix, id_number, names, values = item
+        kind, envelope, when, id_prefix, id_number, names = item[:6]
+        values = item[6:]
         shape = (topic, key, kind, envelope, id_prefix, names)
         layout = self._layouts.get(shape, False)
         if layout is False:
