@@ -190,3 +190,40 @@ def test_values_that_fail_come_back_as_the_ranks_own_json(relay):
     wait_until(lambda: (t.serve(0.05), len(failed) == 3)[1], what="the lost connection's messages")
     assert failed[1:] == [ENCODER.entry("t.step", b"run", item) for item in (second, third)]
     assert not REJECTED
+    # Values only over a connection whose relay said it writes them: until a new one's
+    # hello is answered, they go as JSON, whose send connects anew.
+    assert not t.send_values("t.step", b"run", step_item(4), ENCODER.entry)
+
+
+def test_values_that_fail_and_whose_json_the_rank_rejects_are_not_counted_as_sent(relay, tmp_path, monkeypatch):
+    """A log call counts its values as sent when it sends them. Should they fail and the
+    rank's encoder then refuse their JSON, they are a rejected record, no longer sent."""
+    from trainmon.producer import Producer, ProducerConfig
+    from trainmon.producer.deferred import DeferredRecord
+
+    producer = Producer(ProducerConfig(bootstrap="unused:9092", relay=relay.listener.getsockname(),
+                                       run_id="rejected-values", spill_dir=tmp_path / "spill"))
+    try:
+        assert producer.log_step(1, loss=2.0)  # the first goes as JSON, from the sender thread
+        relay.accept()
+        ((first, *_),) = relay.entries(1)
+        relay.answer([(frames.HELLO_ID, frames.TAKES_VALUES), (first, frames.OK)])
+        assert producer.flush(5)
+        assert producer.log_step(2, loss=2.0)  # the thread sends it, then watches: log calls send
+        ((second, *_),) = relay.entries(1)
+        relay.answer([(second, frames.OK)])
+        worker = producer._worker
+        wait_until(lambda: worker._watching, what="the sender thread watching (log calls send)")
+
+        def refuse(self):
+            raise ValueError("refused by the rank's encoder")
+
+        monkeypatch.setattr(DeferredRecord, "encode", refuse)
+        assert producer.log_step(3, loss=2.0)
+        layout, values = relay.frames(2)
+        assert layout[:1] == frames.LAYOUT and values[:1] == frames.VALUES and worker.sent == 3
+        relay.answer([(frames.values_ids(values)[0], frames.FAILED)])
+        producer.flush(5)
+        assert worker.sent == 2 and producer.rejected == {"step": 1}
+    finally:
+        producer.close(1)

@@ -264,6 +264,9 @@ class RelayTransport:
             self._sock = None
         self._unsent.clear()
         self._received.clear()
+        # Values only over a connection whose relay said it writes them: until the next
+        # one's hello is answered, a log call's values go as JSON (whose send connects).
+        self._takes_values = False
         self._broken = reason
 
     def _lost(self, reason: str) -> None:

@@ -258,7 +258,7 @@ class Worker:
                     return False
             if self._backlog.records or now < delivery.retry_at:
                 return False
-            if self._send_values is None or not self._send_values(topic, key, record, self._encoder.entry):
+            if self._send_values is None or not self._send_values(topic, key, record, self._values_entry):
                 entry = self._encoder.entry(topic, key, record)
                 if entry is None:  # rejected (counted and logged)
                     return True
@@ -274,6 +274,15 @@ class Worker:
             return True
         finally:
             self._lock.release()
+
+    def _values_entry(self, topic: str, key: bytes, item: tuple) -> Entry | None:
+        """The JSON of a log call's values that failed through the relay (it is kept and
+        sent again); None where the encoder rejects it, which then no longer counts as
+        sent (it was counted when the call sent it)."""
+        entry = self._encoder.entry(topic, key, item)
+        if entry is None:
+            self._delivery.sent -= 1
+        return entry
 
     def _start(self) -> None:
         with self._start_lock:
