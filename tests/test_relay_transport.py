@@ -227,3 +227,52 @@ def test_values_that_fail_and_whose_json_the_rank_rejects_are_not_counted_as_sen
         assert worker.sent == 2 and producer.rejected == {"step": 1}
     finally:
         producer.close(1)
+
+
+def test_values_that_failed_found_by_a_log_call_go_back_to_the_sender_thread_unwritten(relay, tmp_path, monkeypatch):
+    """A log call reads the relay's answers itself once 64 are unread (worker.py); a failure
+    among them is the sender thread's to write as JSON and keep, not the training loop's
+    call's (64 records' JSON at once, with cold caches)."""
+    import threading
+
+    from trainmon.producer import Producer, ProducerConfig
+    from trainmon.producer.deferred import DeferredRecord
+    from trainmon.producer.worker import _UNREAD_ANSWERS_MAX
+
+    producer = Producer(ProducerConfig(bootstrap="unused:9092", relay=relay.listener.getsockname(),
+                                       run_id="failed-values", spill_dir=tmp_path / "spill", pack_window_ms=0))
+    encode, written_by = DeferredRecord.encode, []
+
+    def encode_and_say_who(self):
+        written_by.append((self.values[0], threading.current_thread().name))
+        return encode(self)
+
+    try:
+        assert producer.log_step(1, loss=2.0)  # JSON, from the thread (the hello not answered yet)
+        relay.accept()
+        ((first, *_),) = relay.entries(1)
+        relay.answer([(frames.HELLO_ID, frames.TAKES_VALUES), (first, frames.OK)])
+        assert producer.flush(5)
+        assert producer.log_step(2, loss=2.0)  # the thread sends it, then watches: log calls send
+        ((second, *_),) = relay.entries(1)
+        relay.answer([(second, frames.OK)])
+        worker = producer._worker
+        wait_until(lambda: worker._watching, what="the sender thread watching (log calls send)")
+        monkeypatch.setattr(DeferredRecord, "encode", encode_and_say_who)
+        calls = 0
+        while worker.in_flight < _UNREAD_ANSWERS_MAX:  # (step 2's answer unread too)
+            wait_until(lambda: worker._watching, what="the sender thread watching")
+            calls += 1
+            assert producer.log_step(2 + calls, loss=2.0)  # sent by the call itself, as values
+        sent = relay.frames(1 + calls)  # a layout, then the values
+        ids = [frames.values_ids(frame)[0] for frame in sent[1:]]
+        assert not written_by  # none written as JSON
+        relay.answer([(ids[0], frames.FAILED)] + [(i, frames.OK) for i in ids[1:]])
+        assert producer.log_step(3 + calls, loss=2.0)  # this call reads the answers
+        assert ("MainThread" not in {who for _, who in written_by}), written_by
+        # The thread wrote step 3's JSON, kept it and sends it again (from the spill file).
+        (_, _, _, value), = relay.entries(1)
+        assert b'"step":3,' in value
+        assert (3, "trainmon-producer") in written_by
+    finally:
+        producer.close(1)

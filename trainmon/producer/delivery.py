@@ -172,6 +172,10 @@ class Delivery:
             self._hand_to_thread(entries)
         else:
             self.keep(entries)
+        self.postpone()
+
+    def postpone(self) -> None:
+        """No new sends until the backoff has passed: a message just failed."""
         self.retry_at = max(self.retry_at, time.monotonic() + self._backoff.next())
 
     def keep(self, entries: list[Entry]) -> bool:

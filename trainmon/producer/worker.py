@@ -278,7 +278,15 @@ class Worker:
     def _values_entry(self, topic: str, key: bytes, item: tuple) -> Entry | None:
         """The JSON of a log call's values that failed through the relay (it is kept and
         sent again); None where the encoder rejects it, which then no longer counts as
-        sent (it was counted when the call sent it)."""
+        sent (it was counted when the call sent it), or where a log call is collecting the
+        relay's answers: the values go back to the sender thread, which writes the JSON
+        and keeps it, not the training loop's call (up to _UNREAD_ANSWERS_MAX at once)."""
+        if self._delivery.serving_for_caller:
+            self._delivery.sent -= 1
+            self._delivery.postpone()
+            self._items.put((topic, key, *item))
+            self._watching = False
+            return None
         entry = self._encoder.entry(topic, key, item)
         if entry is None:
             self._delivery.sent -= 1
