@@ -195,6 +195,23 @@ def test_values_that_fail_come_back_as_the_ranks_own_json(relay):
     assert not t.send_values("t.step", b"run", step_item(4), ENCODER.entry)
 
 
+def steps_sent_and_watching(producer, relay):
+    """Steps 1 and 2 logged, sent and answered, the relay's hello answered (it writes
+    values), and the producer's sender thread watching: a log call now sends its own
+    values. The worker."""
+    assert producer.log_step(1, loss=2.0)  # JSON, from the thread (the hello not answered yet)
+    relay.accept()
+    ((first, *_),) = relay.entries(1)
+    relay.answer([(frames.HELLO_ID, frames.TAKES_VALUES), (first, frames.OK)])
+    assert producer.flush(5)
+    assert producer.log_step(2, loss=2.0)  # the thread sends it, then watches: log calls send
+    ((second, *_),) = relay.entries(1)
+    relay.answer([(second, frames.OK)])  # (read by the rank later: answers may wait)
+    worker = producer._worker
+    wait_until(lambda: worker._watching, what="the sender thread watching (log calls send)")
+    return worker
+
+
 def test_values_that_fail_and_whose_json_the_rank_rejects_are_not_counted_as_sent(relay, tmp_path, monkeypatch):
     """A log call counts its values as sent when it sends them. Should they fail and the
     rank's encoder then refuse their JSON, they are a rejected record, no longer sent."""
@@ -204,16 +221,7 @@ def test_values_that_fail_and_whose_json_the_rank_rejects_are_not_counted_as_sen
     producer = Producer(ProducerConfig(bootstrap="unused:9092", relay=relay.listener.getsockname(),
                                        run_id="rejected-values", spill_dir=tmp_path / "spill"))
     try:
-        assert producer.log_step(1, loss=2.0)  # the first goes as JSON, from the sender thread
-        relay.accept()
-        ((first, *_),) = relay.entries(1)
-        relay.answer([(frames.HELLO_ID, frames.TAKES_VALUES), (first, frames.OK)])
-        assert producer.flush(5)
-        assert producer.log_step(2, loss=2.0)  # the thread sends it, then watches: log calls send
-        ((second, *_),) = relay.entries(1)
-        relay.answer([(second, frames.OK)])
-        worker = producer._worker
-        wait_until(lambda: worker._watching, what="the sender thread watching (log calls send)")
+        worker = steps_sent_and_watching(producer, relay)
 
         def refuse(self):
             raise ValueError("refused by the rank's encoder")
@@ -248,16 +256,7 @@ def test_values_that_failed_found_by_a_log_call_go_back_to_the_sender_thread_unw
         return encode(self)
 
     try:
-        assert producer.log_step(1, loss=2.0)  # JSON, from the thread (the hello not answered yet)
-        relay.accept()
-        ((first, *_),) = relay.entries(1)
-        relay.answer([(frames.HELLO_ID, frames.TAKES_VALUES), (first, frames.OK)])
-        assert producer.flush(5)
-        assert producer.log_step(2, loss=2.0)  # the thread sends it, then watches: log calls send
-        ((second, *_),) = relay.entries(1)
-        relay.answer([(second, frames.OK)])
-        worker = producer._worker
-        wait_until(lambda: worker._watching, what="the sender thread watching (log calls send)")
+        worker = steps_sent_and_watching(producer, relay)
         monkeypatch.setattr(DeferredRecord, "encode", encode_and_say_who)
         calls = 0
         while worker.in_flight < _UNREAD_ANSWERS_MAX:  # (step 2's answer unread too)
