@@ -130,7 +130,7 @@ def field_columns(model: type[BaseModel], field: str) -> FieldColumns:
     scalar = _scalar_type(annotation, field, where, _repeating(model))
     if scalar is not None:
         if optional:
-            scalar = (f"LowCardinality(Nullable(String))" if scalar == "LowCardinality(String)"
+            scalar = ("LowCardinality(Nullable(String))" if scalar == "LowCardinality(String)"
                       else f"Nullable({scalar})")
         return FieldColumns(field, f"`{field}` {scalar}{derived_default(model, field)}",
                             (Column(field, scalar, field, _identity),))

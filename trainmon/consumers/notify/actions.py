@@ -5,7 +5,6 @@ TRAINMON_ALERT_* environment variables, a time limit, and its output logged.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
