@@ -275,3 +275,24 @@ def test_values_that_failed_found_by_a_log_call_go_back_to_the_sender_thread_unw
         assert (3, "trainmon-producer") in written_by
     finally:
         producer.close(1)
+
+
+def test_answers_read_together_with_the_relays_close_are_taken_before_the_connection_ends(relay):
+    """A relay that stops answers what Kafka took, then closes. Read in one serve (a full
+    read, then the end), those answers count: their messages are not sent again."""
+    failed: list = []
+    t = transport(relay, failed)
+    for value in (b"a", b"b", b"c"):
+        t.send(("t.step", b"run", value))
+    relay.accept()
+    ids = [entry_id for entry_id, *_ in relay.entries(3)]
+    # Exactly one full read (frames.READ_BYTES): 5 answer frames of 5 + 9 bytes an answer
+    # (the padding answers ids nothing waits for), then the end of the connection.
+    padding = [(10**9 + i, frames.OK) for i in range(7279 - len(ids))]
+    chunks = [[(i, frames.OK) for i in ids] + padding[:1453], *(padding[1453 + 1456 * k:][:1456] for k in range(4))]
+    body = b"".join(frames.answers(chunk) for chunk in chunks)
+    assert len(body) == frames.READ_BYTES
+    relay.conn.sendall(body)
+    relay.conn.close()
+    t.serve()
+    assert failed == [] and t.in_flight == 0

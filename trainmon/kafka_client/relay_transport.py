@@ -218,16 +218,17 @@ class RelayTransport:
             self._break(f"writing to the relay failed: {exc}")
 
     def _read(self) -> None:
+        gone = None  # why the connection ended, once its answers so far are taken
         while self._sock is not None:
             try:
                 data = self._sock.recv(frames.READ_BYTES)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError as exc:
-                self._break(f"reading from the relay failed: {exc}")
+                gone = f"reading from the relay failed: {exc}"
                 break
             if not data:
-                self._break("the relay closed the connection")
+                gone = "the relay closed the connection"
                 break
             self._received += data
             if len(data) < frames.READ_BYTES:
@@ -250,6 +251,10 @@ class RelayTransport:
                     self.on_ack()
             else:
                 self._report(item)
+        if gone is not None:
+            # After the answers that came before it went (a relay that stops answers what
+            # Kafka took, then closes): those messages are not sent again.
+            self._break(gone)
 
     def _give_up_on_old(self) -> None:
         if self._waiting:
