@@ -8,14 +8,17 @@ fail."""
 from __future__ import annotations
 
 import socket
+import threading
 
 import pytest
 
 from trainmon.kafka_client.errors import TransportUnavailable
 from trainmon.kafka_client.relay_transport import RelayTransport
 from trainmon.kafka_client.transport import TransportSettings
-from trainmon.producer.deferred import checked_values, queued
+from trainmon.producer import Producer, ProducerConfig
+from trainmon.producer.deferred import VALUES_AT, DeferredRecord, checked_values, queued
 from trainmon.producer.encoding import Encoder
+from trainmon.producer.worker import _UNREAD_ANSWERS_MAX
 from trainmon.relay import frames
 from trainmon.relay.values import layout_from_spec
 from trainmon.schemas import StepRecord
@@ -169,7 +172,7 @@ def test_values_go_only_to_a_relay_that_said_it_writes_them_and_never_past_64_bi
     # (the schema bounds every int field to 64 bits; a value past them would go as JSON)
     past_64_bits = (*step_item(2)[:5], ("step", "step_tokens", "loss"), 2, 2**70, 2.5)
     assert not t.send_values("t.step", b"run", past_64_bits, ENCODER.entry)
-    assert t.send_values("t.step", b"run", (*past_64_bits[:6], 2, 2**40, 2.5), ENCODER.entry)
+    assert t.send_values("t.step", b"run", (*past_64_bits[:VALUES_AT], 2, 2**40, 2.5), ENCODER.entry)
     relay.answer([(frames.HELLO_ID, frames.FAILED)])  # a relay that refused a layout: JSON from now on
     wait_until(lambda: (t.serve(0.05), not t._takes_values)[1], what="the refusal")
     assert not t.send_values("t.step", b"run", step_item(3), ENCODER.entry)
@@ -215,9 +218,6 @@ def steps_sent_and_watching(producer, relay):
 def test_values_that_fail_and_whose_json_the_rank_rejects_are_not_counted_as_sent(relay, tmp_path, monkeypatch):
     """A log call counts its values as sent when it sends them. Should they fail and the
     rank's encoder then refuse their JSON, they are a rejected record, no longer sent."""
-    from trainmon.producer import Producer, ProducerConfig
-    from trainmon.producer.deferred import DeferredRecord
-
     producer = Producer(ProducerConfig(bootstrap="unused:9092", relay=relay.listener.getsockname(),
                                        run_id="rejected-values", spill_dir=tmp_path / "spill"))
     try:
@@ -241,12 +241,6 @@ def test_values_that_failed_found_by_a_log_call_go_back_to_the_sender_thread_unw
     """A log call reads the relay's answers itself once 64 are unread (worker.py); a failure
     among them is the sender thread's to write as JSON and keep, not the training loop's
     call's (64 records' JSON at once, with cold caches)."""
-    import threading
-
-    from trainmon.producer import Producer, ProducerConfig
-    from trainmon.producer.deferred import DeferredRecord
-    from trainmon.producer.worker import _UNREAD_ANSWERS_MAX
-
     producer = Producer(ProducerConfig(bootstrap="unused:9092", relay=relay.listener.getsockname(),
                                        run_id="failed-values", spill_dir=tmp_path / "spill", pack_window_ms=0))
     encode, written_by = DeferredRecord.encode, []

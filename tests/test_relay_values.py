@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from trainmon.producer.deferred import checked_values, queued
+from trainmon.producer.deferred import VALUES_AT, checked_values, queued
 from trainmon.producer.encoding import Encoder
 from trainmon.relay import frames
 from trainmon.relay.values import LayoutRefused, layout_from_spec
@@ -22,8 +22,8 @@ ENCODER = Encoder([], 1_000_000, lambda record, reason: None)
 
 def through_the_relay(item: tuple) -> bytes:
     """The JSON the relay writes of a log call's values, sent as the rank sends them."""
-    kind, envelope, when, id_prefix, id_number, names = item[:6]
-    values = item[6:]
+    kind, envelope, when, id_prefix, id_number, names = item[:VALUES_AT]
+    values = item[VALUES_AT:]
     spec = frames.layout_spec("t.kind", b"run", kind, envelope, id_prefix, names, values)
     layout_id, spec = frames.parse_layout(frames.layout(7, spec)[4:])  # (past the length)
     layout = layout_from_spec(layout_id, spec)
@@ -46,7 +46,7 @@ def test_the_relay_writes_a_calls_values_as_the_ranks_encoder_does(model):
 def step_spec(**changes) -> dict:
     item = queued(StepRecord, ENVELOPE, 1.7e9, "prefix", 1,
                   checked_values(StepRecord, dict(step=1, loss=2.0, timers={"forward": 1.0})))
-    spec = frames.layout_spec("t.step", b"run", *item[:2], item[3], item[5], item[6:])
+    spec = frames.layout_spec("t.step", b"run", *item[:2], item[3], item[5], item[VALUES_AT:])
     return {**frames.parse_layout(frames.layout(1, spec)[4:])[1], **changes}
 
 

@@ -27,6 +27,7 @@ import struct
 import time
 from typing import Callable
 
+from ..producer.deferred import VALUES_AT
 from ..relay import frames
 from .errors import TransportUnavailable
 from .transport import Entry, TransportSettings, Undelivered
@@ -117,8 +118,8 @@ class RelayTransport:
         layout that does not fit, a connection that broke): the caller sends the entry."""
         if not self._takes_values or self._broken is not None:
             return False
-        kind, envelope, when, id_prefix, id_number, names = item[:6]
-        values = item[6:]
+        kind, envelope, when, id_prefix, id_number, names = item[:VALUES_AT]
+        values = item[VALUES_AT:]
         shape = (topic, key, kind, envelope, id_prefix, names)
         layout = self._layouts.get(shape, False)
         if layout is False:

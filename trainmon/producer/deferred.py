@@ -75,8 +75,8 @@ class DeferredRecord:
     @classmethod
     def from_queued(cls, item: tuple) -> "DeferredRecord":
         # (The model is the one its kind is declared by: log calls are of declared kinds.)
-        kind, envelope, time, id_prefix, id_number, names = item[:6]
-        return cls(Record.registry[kind], dict(envelope), time, id_prefix, id_number, names, item[6:])
+        kind, envelope, time, id_prefix, id_number, names = item[:VALUES_AT]
+        return cls(Record.registry[kind], dict(envelope), time, id_prefix, id_number, names, item[VALUES_AT:])
 
     @property
     def kind(self) -> str:
@@ -155,6 +155,11 @@ def utc_text(timestamp: float) -> str:
 @lru_cache(maxsize=4)
 def _minute_text(minute: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:", time.gmtime(minute * 60))
+
+
+# Where a queued item's values start: queued(...)[:VALUES_AT] is (kind, envelope, time,
+# id_prefix, id_number, names), queued(...)[VALUES_AT:] the values.
+VALUES_AT = 6
 
 
 def queued(model: type[Record], envelope: tuple, time: float, id_prefix: str, id_number: int,
