@@ -251,14 +251,24 @@ def test_an_error_at_every_tick_of_the_sender_neither_spins_nor_loses_records(tm
             raise RuntimeError("an error the sender did not expect")
         return tick()
 
-    worker._tick = failing_tick
+    sleep, pauses = worker._sleep, []
+
+    def recorded_sleep(seconds):
+        pauses.append(seconds)
+        return sleep(seconds)
+
+    worker._tick, worker._sleep = failing_tick, recorded_sleep
     with caplog.at_level(logging.ERROR, logger="trainmon.producer"):
         for step in range(5):
             assert producer.log_step(step, **STEP)
         wait_until(lambda: len(failures) > 6, 10, "the sender thread's seventh tick")
+        # The pauses the thread asked for double from the least; each was slept out (a
+        # gap is never shorter than its pause). The gaps themselves are not compared with
+        # each other: a loaded machine oversleeps a 10 ms pause by more than half.
+        first = worker_module._ERROR_PAUSE_MIN_S
+        assert pauses[:6] == [first * 2 ** n for n in range(6)], pauses
         gaps = [b - a for a, b in zip(failures, failures[1:7])]
-        assert all(later >= 1.5 * earlier for earlier, later in zip(gaps, gaps[1:])), gaps
-        assert gaps[0] >= worker_module._ERROR_PAUSE_MIN_S
+        assert all(gap >= pause for gap, pause in zip(gaps, pauses)), (gaps, pauses)
         assert producer.flush(10)
     steps = [decode("step", line).step for value in broker.values(topic_for("step", producer.config.topic_prefix))
              for line in unpack(value)]
