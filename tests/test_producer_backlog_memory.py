@@ -6,6 +6,7 @@ same end to end in test_producer_spill_wal.py."""
 from __future__ import annotations
 
 import fcntl
+import json
 import logging
 import os
 
@@ -220,3 +221,140 @@ def test_beyond_the_memory_bound_the_drop_is_said_once(tmp_path, unwritable_spil
     dropped_said = [r.getMessage() for r in caplog.records if "are dropped and counted" in r.getMessage()]
     assert len(dropped_said) == 1 and "300" in dropped_said[0]
     assert producer.close(timeout=0.5) is False
+
+
+# -- found in review (2026-11-27): the spill file's edges ---------------------------------
+
+def test_a_spill_file_claimed_between_its_creation_and_its_lock_is_made_again(tmp_path, monkeypatch):
+    """Another producer starting on the machine globs the directory between the file's
+    creation and its lock: it finds an empty, unlocked file and removes it as an orphan's.
+    The owner must not then write into the removed file (a kill, or the exit, would lose
+    every record spilled there)."""
+    import types
+
+    from trainmon.producer import spill as spill_module
+
+    owner = SpillFile(tmp_path, "run.0")
+    raced = []
+
+    def flock(fd, op):
+        if not raced:
+            raced.append(True)
+            claim_orphans(tmp_path, lambda entries: True)  # a producer starting right now
+        return fcntl.flock(fd, op)
+
+    monkeypatch.setattr(spill_module, "fcntl", types.SimpleNamespace(
+        flock=flock, LOCK_EX=fcntl.LOCK_EX, LOCK_NB=fcntl.LOCK_NB))
+    owner.append([entry('{"a":1}'), entry('{"a":2}')])
+    assert raced and owner.count == 2
+    assert owner.path.read_text().count("\n") == 2
+
+
+def test_an_earlier_producers_records_wait_in_its_file_while_the_disk_is_full(tmp_path, monkeypatch):
+    """Adopting an orphan with this producer's own file unwritable: the orphan's records
+    stay in their file (safe on disk), neither copied into memory, where they would be
+    counted dropped past the bound and crowd out this run's records, nor counted at all."""
+    import errno
+
+    from trainmon.producer import spill as spill_module
+
+    spill_dir = tmp_path / "spill"
+    orphan = SpillFile(spill_dir, "earlier.0")
+    orphan.append([entry(f'{{"orphan":{i}}}') for i in range(10)])
+    os.close(orphan._fd)  # its owner was killed: the lock is free
+    orphan._fd = None
+
+    def full_disk(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(spill_module, "_write_all", full_disk)
+    broker = MemoryBroker()
+    broker.up = False
+    producer = producer_for(broker, tmp_path, queue_size=4, health_interval_s=0)
+    for step in range(3):
+        assert producer.log_step(step, loss=1.0)
+    wait_until(lambda: producer.held_in_memory == 3 and producer._worker.in_flight == 0,
+               10, "the run's records held in memory",
+               details=lambda: f"held {producer.held_in_memory}, dropped {producer.dropped}")
+    assert producer.dropped == 0 and orphan.path.exists()
+    broker.up = True
+    assert producer.flush(5)
+    assert len(steps_in(broker)) == 3
+    producer.close(timeout=1)
+    assert producer.dropped == 0 and orphan.path.read_text().count("\n") == 10
+
+
+def test_records_kafka_takes_while_the_client_closes_are_not_counted_dropped(tmp_path, unwritable_spill):
+    """Records held in memory (no spill directory) being sent again when close's flush
+    runs out of time: the client's own close still waits for Kafka's answer, and what
+    Kafka took there is delivered, not counted as dropped with the rest of memory."""
+    broker = MemoryBroker()
+    broker.up = False
+    producer = producer_for(broker, tmp_path, spill_dir=unwritable_spill, health_interval_s=0)
+    for step in range(5):
+        producer.log_step(step, loss=1.0)
+    wait_until(lambda: producer.held_in_memory == 5, 10, "records held in memory")
+    transport, delivery = producer._worker._transport, producer._worker._delivery
+    transport._delivery_timeout_s = 30.0  # Kafka slow to answer from now on
+    wait_until(lambda: delivery._resending is not None, 10, "memory's records sent again")
+    close = transport.close
+
+    def kafka_answers_after_the_flush_deadline(timeout):
+        broker.up = True
+        return close(timeout)
+
+    transport.close = kafka_answers_after_the_flush_deadline
+    producer.close(timeout=0.3)
+    assert len(steps_in(broker)) == 5
+    assert producer.dropped == 0
+
+
+def test_a_record_logged_after_close_is_kept_in_the_spill_file(tmp_path, caplog):
+    """A thread of the job still logging once the producer closed (a sampler at exit):
+    no thread sends the record now; it is kept for the next producer, not lost unseen."""
+    broker = MemoryBroker()
+    producer = producer_for(broker, tmp_path, health_interval_s=0)
+    assert producer.log_step(0, loss=1.0)
+    assert producer.close(timeout=2)
+    with caplog.at_level(logging.WARNING, logger="trainmon.producer"):
+        producer.log_step(1, loss=1.0)
+        producer.log_step(2, loss=1.0)
+    assert len(steps_in(broker)) == 1 and producer.dropped == 0
+    assert caplog.text.count("logged after the producer closed") == 1
+    later = producer_for(broker, tmp_path, health_interval_s=0)  # (the next run on the machine)
+    producer._worker._delivery.spill.close()  # (this process exiting: its lock ends)
+    assert later.flush(5)
+    later.close(timeout=1)
+    assert sorted(json.loads(record)["step"] for record in steps_in(broker)) == [0, 1, 2]
+
+
+def test_a_forked_child_does_not_keep_the_parents_spill_file_locked(tmp_path):
+    """A flock belongs to the open file, which a forked child (a DataLoader worker) shares:
+    while such a child lived, the parent's spill file stayed locked after the parent
+    closed, and the next producer left its records there."""
+    spill_dir = tmp_path / "spill"
+    broker = MemoryBroker()
+    broker.up = False
+    parent = Producer(ProducerConfig(run_id="fork", spill_dir=spill_dir, health_interval_s=0),
+                      transport=broker.transport)
+    for step in range(5):
+        parent.log_step(step, loss=1.0)
+    wait_until(lambda: parent.spilled == 5, 10, "records spilled")
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a forked child that lives on and never logs
+        os.close(write_end)
+        os.read(read_end, 1)
+        os._exit(0)
+    os.close(read_end)
+    try:
+        parent.close(timeout=0.2)  # Kafka still away: the 5 records stay in the file
+        broker.up = True
+        later = producer_for(broker, tmp_path, health_interval_s=0)
+        later.log_step(0, loss=1.0)
+        assert later.flush(5)
+        later.close(timeout=1)
+        assert len(steps_in(broker)) == 1 + 5, list(spill_dir.glob("*.spill"))
+    finally:
+        os.close(write_end)
+        os.waitpid(pid, 0)

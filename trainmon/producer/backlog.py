@@ -80,6 +80,12 @@ class Backlog:
                 self._memory_bytes += len(entry[2])
             return Kept(False, dropped, error)
 
+    def add_to_disk(self, entries: list[Entry]) -> Kept:
+        """Into the file, or nowhere (never memory, nothing dropped): for records that are
+        safe on disk elsewhere already (an earlier producer's spill file)."""
+        with self._lock:
+            return self._to_disk(entries)
+
     def retry_disk(self) -> Kept | None:
         """Records waiting in memory go back to the file if the disk takes them now (tried
         at most once every DISK_RETRY_S); None when nothing was tried."""

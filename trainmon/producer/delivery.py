@@ -225,9 +225,20 @@ class Delivery:
         """Earlier producers' spill files left on this machine: their records join the
         backlog, and each file is deleted once they are on disk here."""
         try:
-            claim_orphans(self.spill_dir, self.keep, own=self.spill.path)
+            claim_orphans(self.spill_dir, self._keep_on_disk, own=self.spill.path)
         except OSError as exc:  # an unreadable spill directory: nothing of earlier runs to send
             log.warning("trainmon: cannot read the spill directory %s: %s", self.spill_dir, exc)
+
+    def _keep_on_disk(self, entries: list[Entry]) -> bool:
+        """An earlier producer's records: into this one's spill file, else left in theirs
+        for a later start. Not into memory: with the disk failing, memory would only hold
+        copies of records safe on disk, count them dropped should they not fit, and crowd
+        out this run's own."""
+        kept = self.backlog.add_to_disk(entries)
+        if not kept.on_disk:
+            log.warning("trainmon: cannot take an earlier producer's spill file into %s (%s); it is "
+                        "left for a later start", self.spill_dir, kept.disk_error)
+        return kept.on_disk
 
     def flush(self, deadline: float) -> bool:
         """Everything acknowledged by the deadline (the backlog first)?"""
@@ -249,6 +260,10 @@ class Delivery:
         """The client closed (what it still held back in the backlog), the spill file
         released, and what is lost said."""
         self.transport.close(timeout=timeout)
+        if self._resending is not None and not self.transport.in_flight:
+            # The client's close waited out a batch sent again (from memory, say): where
+            # Kafka took it, it is delivered, not lost with the rest of memory.
+            self._confirm()
         lost = self.backlog.discard_memory()
         if lost:
             self.dropped += lost

@@ -71,8 +71,22 @@ class SpillFile:
     def _open(self) -> int:
         if self._fd is None:
             self.directory.mkdir(parents=True, exist_ok=True)
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            for _ in range(3):
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:  # (BlockingIOError: a claimer holds it this moment; later)
+                    os.close(fd)
+                    raise
+                if os.fstat(fd).st_nlink:
+                    self._fd = fd
+                    break
+                # Between its creation and the lock, a starting producer found the file
+                # unlocked and empty, and removed it as an orphan's: records appended to
+                # this descriptor would go nowhere. A new file at the same path.
+                os.close(fd)
+            else:
+                raise OSError(f"the spill file {self.path} was removed as soon as it was made, three times")
         return self._fd
 
     def append(self, entries: list[Entry]) -> None:
@@ -168,7 +182,16 @@ class SpillFile:
             self._fd = None
 
     def forget_after_fork(self) -> None:
-        # The child shares the parent's open file and lock; it must not touch either.
+        """In a forked child: the parent's file is the parent's. The child's copy of its
+        descriptor is closed: a flock belongs to the open file, which the child shares, so
+        while the child held it, the file stayed locked after the parent exited and no
+        later producer claimed its records. (Not under self._lock: another thread of the
+        parent may have held it at the fork, and no thread releases it in the child.)"""
+        if self._fd is not None:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
         self._fd = None
         self.count = self.head = 0
 

@@ -41,7 +41,7 @@ import weakref
 
 from ..kafka_client.errors import TransportUnavailable
 from ..kafka_client.transport import Entry
-from ..schemas import MAX_RECORDS_PER_MESSAGE, Record
+from ..schemas import MAX_RECORDS_PER_MESSAGE, Record, count
 from .delivery import Delivery
 from .encoding import Encoder, Observer, Rejecter
 from .packing import pack_messages
@@ -122,7 +122,11 @@ class Worker:
         self._quiet_calls_send = yield_to_caller and not linger_s and not self._observers
         self._reset()
         self_ref = weakref.ref(self)
-        os.register_at_fork(after_in_child=lambda: (w := self_ref()) and w._reset())
+        os.register_at_fork(after_in_child=lambda: (w := self_ref()) and w._after_fork())
+
+    def _after_fork(self) -> None:
+        self._delivery.spill.forget_after_fork()  # (the parent's file, and its lock)
+        self._reset()
 
     def _reset(self) -> None:
         """Fresh state: at construction and in a forked child, which must neither use the
@@ -143,6 +147,7 @@ class Worker:
         self._transport = self._delivery.transport
         self._backlog = self._delivery.backlog
         self._closed = False
+        self._said_closed = False
         # Held by the sender thread except while it waits; a log call sends its own record
         # only when it can take the lock at once and the thread is watching (not working,
         # every record queued before delivered).
@@ -215,6 +220,9 @@ class Worker:
 
     def submit(self, topic: str, key: bytes, record: Record | tuple) -> None:
         """Queue a record: built, or a log call's checked values (``deferred.queued``)."""
+        if self._closed:
+            self._keep_after_close([(topic, key, record) if type(record) is not tuple else (topic, key, *record)])
+            return
         if self._thread is None:
             self._start()
         if self._watching and type(record) is tuple:  # (a log call's, see deferred.queued)
@@ -320,7 +328,34 @@ class Worker:
             self._window_over.set()
             self._thread.join(timeout + 1.0)
         self._delivery.close(timeout=max(0.5, timeout / 2))
+        if not self._thread or not self._thread.is_alive():
+            # A log call that found the producer open and queued its record after the
+            # thread took its last items (only the thread takes them while it lives).
+            self._keep_after_close(self._drain([]))
         return ok and not self.dropped
+
+    def _keep_after_close(self, items: list) -> None:
+        """Records logged once the producer closed (another thread of the job still logging
+        at exit, say): no thread sends them now. They go to the spill file, which the next
+        producer on this machine sends, or are counted dropped where it cannot take them."""
+        entries = [item.entry if type(item) is _Encoded else self._encoder.queued(item)
+                   for item in items if isinstance(item, (tuple, _Encoded))]
+        entries = [entry for entry in entries if entry is not None]
+        if not entries:
+            return
+        records = sum(count(value) for _, _, value in entries)
+        try:
+            self._delivery.spill.append(entries)
+        except OSError as exc:
+            self._delivery.dropped += records
+            log.error("trainmon: dropped %d record(s) logged after the producer closed: the spill "
+                      "file %s cannot take them (%s)", records, self._delivery.spill.path, exc)
+            return
+        if not self._said_closed:
+            self._said_closed = True
+            log.warning("trainmon: a record was logged after the producer closed; it and any later "
+                        "ones are kept in %s and sent by the next trainmon producer that starts "
+                        "(this is said once)", self._delivery.spill.path)
 
     def _hand_to_thread(self, entries: list[Entry]) -> None:
         """Failures reported while a log call collected Kafka's reports: the thread keeps
