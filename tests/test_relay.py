@@ -360,3 +360,54 @@ def test_a_broker_killed_under_the_relay_loses_nothing(tmp_path, relay_path):
     finally:
         relay.close()
         broker.stop(kill=True)
+
+
+_RELAY_OF_FEW_DESCRIPTORS = """
+import resource, sys, threading
+from trainmon.relay.server import Relay
+
+class NoKafka:  # (only hellos come: nothing is sent)
+    def poll(self, timeout_s=0.0): pass
+    def flush(self, timeout_s): return True
+
+relay = Relay(sys.argv[1], kafka=NoKafka())
+relay.listen()
+resource.setrlimit(resource.RLIMIT_NOFILE, (32, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+print("ready", flush=True)
+relay.run(threading.Event())
+"""
+
+
+def test_a_relay_out_of_descriptors_goes_on_and_takes_ranks_again_once_some_close(relay_path):
+    """accept() failing with EMFILE (more ranks and forked workers than the relay may hold)
+    ended the relay's loop. It goes on, and takes new ranks again once connections close."""
+    relay = subprocess.Popen([sys.executable, "-c", _RELAY_OF_FEW_DESCRIPTORS, relay_path],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=os.getcwd())
+
+    def hello() -> socket.socket:
+        rank = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        rank.connect(relay_path)  # (the listen backlog takes it while the relay cannot)
+        rank.sendall(frames.hello(schema_fingerprint()))
+        return rank
+
+    ranks = []
+    try:
+        assert relay.stdout.readline() == b"ready\n", relay.stderr.read().decode()[-2000:]
+        ranks = [hello() for _ in range(60)]  # past the relay's 32 descriptors
+        wait_until(lambda: len(os.listdir(f"/proc/{relay.pid}/fd")) >= 32, 30,
+                   "the relay holding all the descriptors it may")
+        for rank in ranks[:40]:
+            rank.close()
+        late = hello()
+        late.settimeout(10)
+        answer = bytearray(late.recv(64))  # the relay took it and answered its hello
+        assert frames.take_answers(answer) == [(frames.HELLO_ID, frames.TAKES_VALUES)]
+        late.close()
+        assert relay.poll() is None
+        relay.send_signal(signal.SIGTERM)  # (the script's loop has no handler: it just ends)
+    finally:
+        for rank in ranks[40:]:
+            rank.close()
+        relay.kill()
+        _, stderr = relay.communicate(timeout=30)
+    assert b"cannot take a connection" in stderr and b"Traceback" not in stderr, stderr.decode()[-2000:]

@@ -290,3 +290,53 @@ def test_answers_read_together_with_the_relays_close_are_taken_before_the_connec
     relay.conn.close()
     t.serve()
     assert failed == [] and t.in_flight == 0
+
+
+# -- found in review (2026-11-27): descriptors ------------------------------------------------
+
+def test_a_flush_waits_on_a_socket_numbered_past_1023(relay):
+    """A training process may hold over 1,024 descriptors (loaders, NCCL, datasets); select
+    refuses the socket's then, and a flush raised instead of waiting for the answers."""
+    import os
+    import resource
+
+    if resource.getrlimit(resource.RLIMIT_NOFILE)[0] < 1200:
+        pytest.skip("fewer than 1,200 descriptors allowed here")
+    held = []
+    try:
+        while not held or held[-1] < 1100:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+        failed = []
+        rank = transport(relay, failed)
+        rank.send(("t.step", b"run", b'{"a":1}'))
+        relay.accept()
+        assert rank._sock.fileno() >= 1024
+        [(first, *_)] = relay.entries(1)
+        assert rank.flush(0.2) is False  # unanswered: the flush waits its time, then says so
+        relay.answer([(first, frames.OK)])
+        assert rank.flush(5) is True
+        rank.send(("t.step", b"run", b'{"a":2}'))
+        relay.entries(1)
+        rank.close(0.2)  # unanswered at close: kept by its failure handler
+        assert failed == [("t.step", b"run", b'{"a":2}')]
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
+def test_a_process_out_of_descriptors_is_told_the_relay_is_unavailable(relay, monkeypatch):
+    """socket() itself fails with EMFILE: a send says TransportUnavailable (the worker keeps
+    the record and tries again), not an OSError the sender thread does not expect."""
+    import errno
+    import types
+
+    from trainmon.kafka_client import relay_transport
+
+    def out_of_descriptors(*args):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(relay_transport, "socket", types.SimpleNamespace(
+        socket=out_of_descriptors, AF_UNIX=socket.AF_UNIX, SOCK_STREAM=socket.SOCK_STREAM))
+    rank = transport(relay, [])
+    with pytest.raises(TransportUnavailable, match="Too many open files"):
+        rank.send(("t.step", b"run", b'{"a":1}'))

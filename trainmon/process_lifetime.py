@@ -75,7 +75,9 @@ def _pidfd(pid: int) -> int | None:
 
 
 def _exited(fd: int, timeout_s: float = 0.0) -> bool:
-    return bool(select.select([fd], [], [], timeout_s)[0])
+    waiting = select.poll()  # (not select: it refuses descriptors past 1,023)
+    waiting.register(fd, select.POLLIN)
+    return bool(waiting.poll(timeout_s * 1000))
 
 
 def _stop(fd: int, grace_s: float) -> None:

@@ -169,7 +169,11 @@ class RelayTransport:
             if self._unsent:
                 self._write()
             if timeout > 0 and self._waiting and self._broken is None:
-                select.select([self._sock], [], [], timeout)
+                # poll, not select: a training process may well hold 1,024 descriptors
+                # (loaders, NCCL, datasets), past which select refuses the socket's.
+                waiting = select.poll()
+                waiting.register(self._sock, select.POLLIN)
+                waiting.poll(timeout * 1000)
             self._read()
         if self._broken is not None:
             self._lost(self._broken)
@@ -189,12 +193,15 @@ class RelayTransport:
     # -- the connection --------------------------------------------------------------------
 
     def _connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.setblocking(False)  # a relay whose backlog is full refuses (EAGAIN), never blocks
+        sock = None
         try:
+            # (socket() itself fails where the process is out of descriptors: EMFILE.)
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.setblocking(False)  # a relay whose backlog is full refuses (EAGAIN), never blocks
             sock.connect(self.path)
         except OSError as exc:
-            sock.close()
+            if sock is not None:
+                sock.close()
             if not self._said_away:
                 self._said_away = True
                 log.warning("trainmon: no relay at %s (%s); records wait in the spill file until "

@@ -120,6 +120,7 @@ class Relay:
         self._window_started: float | None = None
         self._deliveries: list[tuple[Delivery, list[_Member]]] = []
         self._listener: socket.socket | None = None
+        self._accepting = True  # the listener is watched (not while out of descriptors: _accept)
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_w.setblocking(False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
@@ -207,7 +208,14 @@ class Relay:
     def _accept(self) -> None:
         try:
             sock, _ = self._listener.accept()
-        except (BlockingIOError, InterruptedError):
+        except (BlockingIOError, InterruptedError, ConnectionAbortedError):
+            return
+        except OSError as exc:  # out of descriptors (EMFILE, ENFILE): the relay goes on
+            # The listener stays readable while the rank waits: it is not watched (else the
+            # loop would spin) until a connection closes and frees a descriptor.
+            log.error("trainmon relay: cannot take a connection (%s); new ranks wait until one closes", exc)
+            self._selector.unregister(self._listener)
+            self._accepting = False
             return
         sock.setblocking(False)
         self._selector.register(sock, selectors.EVENT_READ, _Connection(sock))
@@ -294,6 +302,9 @@ class Relay:
         except (KeyError, ValueError):
             pass
         conn.sock.close()
+        if not self._accepting and self._listener is not None:
+            self._selector.register(self._listener, selectors.EVENT_READ, None)
+            self._accepting = True
         for group, members in list(self._pending.items()):
             members[:] = [m for m in members if m[0] is not conn]
             if not members:
@@ -368,7 +379,8 @@ class Relay:
     def close(self) -> None:
         """Send what is pending, wait for Kafka's answers, pass them on, remove the socket."""
         if self._listener is not None:
-            self._selector.unregister(self._listener)
+            if self._accepting:
+                self._selector.unregister(self._listener)
             self._listener.close()
             self._listener = None
             try:
