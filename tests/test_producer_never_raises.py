@@ -274,3 +274,54 @@ def test_an_error_at_every_tick_of_the_sender_neither_spins_nor_loses_records(tm
              for line in unpack(value)]
     assert steps == list(range(5))
     assert caplog.text.count("RuntimeError: an error the sender did not expect") == 6
+
+
+def test_records_the_sender_had_taken_when_it_hit_an_error_are_kept_and_a_flush_is_answered(tmp_path):
+    """An error mid-tick (a transport's flush raising, say) lost what the tick had taken
+    from the queue: a record queued behind a flush was in no queue, file or flight, and
+    the flush waited out its timeout. It is kept (and sent), the flush answered False."""
+    import threading
+
+    from .waiting import wait_until
+
+    broker = MemoryBroker()
+    producer = Producer(ProducerConfig(run_id="tick-error", spill_dir=tmp_path / "spill",
+                                       health_interval_s=0), transport=broker.transport)
+    assert producer.log_step(0, **STEP) and producer.flush(5)
+    worker = producer._worker
+    worker._callers_may_send = False  # (each log call queues its record)
+    delivery, next_items = worker._delivery, worker._next_items
+    flush, raised = delivery.flush, []
+    entered, go = threading.Event(), threading.Event()
+
+    def flush_once_raising(deadline):
+        if not raised:
+            raised.append(True)
+            raise ValueError("filedescriptor out of range in select()")
+        return flush(deadline)
+
+    def gated():  # the thread's next tick waits here until the three items are queued
+        worker._next_items = next_items
+        entered.set()
+        go.wait(10)
+        return next_items()
+
+    delivery.flush, worker._next_items = flush_once_raising, gated
+    assert producer.log_step(10, **STEP)  # (ends the thread's current wait; its next tick is gated)
+    assert entered.wait(10)
+    assert producer.log_step(1, **STEP)
+    answered = []
+    flushing = threading.Thread(target=lambda: answered.append((producer.flush(5), time.monotonic())))
+    flushing.start()
+    wait_until(lambda: worker.queued == 2, 10, "the flush queued behind step 1")
+    assert producer.log_step(2, **STEP)
+    started = time.monotonic()
+    go.set()  # one tick takes step 1, the flush and step 2
+    flushing.join(10)
+    [(ok, at)] = answered
+    assert ok is False and at - started < 4  # answered at the error, not at its timeout
+    wait_until(lambda: producer.flush(5), 20, "the kept records delivered")
+    steps = {decode("step", line).step for value in broker.values(topic_for("step", producer.config.topic_prefix))
+             for line in unpack(value)}
+    assert steps == {0, 10, 1, 2}
+    producer.close(timeout=2)

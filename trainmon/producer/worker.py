@@ -156,6 +156,7 @@ class Worker:
         self._watch_next = False  # the next wait for records watches (see _wait)
         self._sent_by_callers = 0
         self._serving_for_caller = False  # Kafka's reports are being collected by a log call
+        self._in_hand: list = []  # what the current tick took from the queue (see _rescue)
         self._callers_may_send = (self._quiet_calls_send
                                   and getattr(self._transport, "sends_without_blocking", False))
         # A transport whose answers a log call need not read before it sends (the relay's:
@@ -382,6 +383,10 @@ class Worker:
                     pause = min(_ERROR_PAUSE_MAX_S, max(_ERROR_PAUSE_MIN_S, 2 * pause))
                     log.exception("trainmon: the producer's sender thread hit an error; it tries "
                                   "again in %.2f s", pause)
+                    try:
+                        self._rescue()
+                    except Exception:
+                        log.exception("trainmon: could not keep the records in hand after that error")
                     self._sleep(pause)
 
     def _wait(self, timeout: float | None):
@@ -461,7 +466,7 @@ class Worker:
 
     def _tick(self) -> bool:
         """Encode and deliver what is queued; True when told to stop."""
-        items = self._next_items()
+        items = self._in_hand = self._next_items()
         if self._transport.in_flight and time.monotonic() - self._served_at >= _SERVE_EVERY_S:
             # Kafka's reports so far (a failed message is spilled). Only messages handed
             # over before this tick can have one.
@@ -488,12 +493,34 @@ class Worker:
             self._deliver(entries)
             entries = []
             if isinstance(item, _Stop):
+                self._in_hand = []
                 return True
             item.ok = self._delivery.flush(item.deadline)
             item.done.set()
         if entries or (self._backlog.records and time.monotonic() >= self._delivery.retry_at):
             self._deliver(entries)
+        self._in_hand = []
         return False
+
+    def _rescue(self) -> None:
+        """After an error in a tick: what it took from the queue is kept (the spill file;
+        some of it may have reached Kafka already: sent twice, never lost), and a flush
+        among it is answered False at once instead of at its timeout."""
+        items, self._in_hand = self._in_hand, []
+        kept = []
+        for item in items:
+            if isinstance(item, _Flush):
+                item.done.set()  # (ok stays False)
+            elif isinstance(item, (tuple, _Encoded)):
+                try:
+                    entry = item.entry if type(item) is _Encoded else self._encoder.queued(item)
+                except Exception:  # (the encoder itself failing: this record is lost, said)
+                    log.exception("trainmon: could not keep a record after the sender's error")
+                    self._delivery.dropped += 1
+                    continue
+                if entry is not None:
+                    kept.append(entry)
+        self._delivery.keep(kept)
 
     def _deliver(self, entries: list[Entry]) -> None:
         if self._delivery.deliver(pack_messages(entries)):
