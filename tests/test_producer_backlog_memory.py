@@ -14,7 +14,7 @@ import pytest
 
 from trainmon.kafka_client.memory_transport import MemoryBroker
 from trainmon.producer import Producer, ProducerConfig, worker
-from trainmon.producer.spill import SpillFile, claim_orphans
+from trainmon.producer.spill import SUFFIX, SpillFile, claim_orphans
 from trainmon.schemas import count, pack, unpack
 
 from .waiting import wait_until
@@ -358,3 +358,35 @@ def test_a_forked_child_does_not_keep_the_parents_spill_file_locked(tmp_path):
     finally:
         os.close(write_end)
         os.waitpid(pid, 0)
+
+
+def test_an_orphan_is_handed_over_in_chunks_and_deleted_only_once_all_of_it_is_kept(tmp_path):
+    """After a long outage an orphan may hold gigabytes: it is not read into memory whole."""
+    orphan = SpillFile(tmp_path, "gone.0")
+    orphan.append([entry(f'{{"a":{i}}}') for i in range(100)])
+    os.close(orphan._fd)
+    orphan._fd = None
+    calls: list = []
+    claim_orphans(tmp_path, lambda entries: calls.append(entries) or len(calls) < 3, chunk_bytes=200)
+    assert len(calls) == 3 and orphan.path.exists()  # the third was refused: the file stays
+    calls.clear()
+    claim_orphans(tmp_path, lambda entries: calls.append(entries) or True, chunk_bytes=200)
+    assert len(calls) > 10 and max(len(chunk) for chunk in calls) < 10
+    assert [e for chunk in calls for e in chunk] == [entry(f'{{"a":{i}}}') for i in range(100)]
+    assert not orphan.path.exists()
+
+
+def test_a_rewrites_temporary_file_left_by_a_killed_producer_is_removed(tmp_path):
+    from trainmon.producer.spill import _COMPACTING
+
+    left = tmp_path / f"gone.0.1.abc{SUFFIX}{_COMPACTING}"
+    left.write_text("records that are also in the .spill file\n")
+    busy = tmp_path / f"live.0.2.def{SUFFIX}{_COMPACTING}"
+    busy.write_text("being rewritten\n")
+    held = os.open(busy, os.O_RDWR)
+    fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        claim_orphans(tmp_path, lambda entries: True)
+        assert not left.exists() and busy.exists()
+    finally:
+        os.close(held)

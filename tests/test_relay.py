@@ -79,6 +79,40 @@ def test_frames_that_are_not_the_format_are_refused_by_name():
         frames.parse_entry(b"E\0\0")
     with pytest.raises(frames.FrameError, match="run past the frame"):
         frames.parse_entry(b"E" + (1).to_bytes(8, "big") + (200).to_bytes(2, "big") + b"\0\0ab")
+    # (not a wait for 4 GiB to arrive: a connection's buffer is bounded)
+    with pytest.raises(frames.FrameError, match="past the 67,108,864 any frame may have"):
+        frames.split(bytearray(b"\xff\xff\xff\xffH"))
+
+
+class _NoKafka:
+    """The relay's Kafka client where nothing is sent."""
+
+    def poll(self, timeout_s=0.0):
+        pass
+
+    def flush(self, timeout_s):
+        return True
+
+
+def test_a_peer_that_never_reads_its_answers_is_closed_before_they_fill_the_relays_memory(
+        relay_path, monkeypatch):
+    import selectors
+
+    from trainmon.relay import server
+
+    monkeypatch.setattr(server, "MAX_UNREAD_ANSWER_BYTES", 1 << 20)
+    relay = Relay(relay_path, kafka=_NoKafka())
+    ours, theirs = socket.socketpair()
+    ours.setblocking(False)
+    conn = server._Connection(ours)
+    relay._selector.register(ours, selectors.EVENT_READ, conn)
+    answered = 0
+    while conn.open and answered < 1_000_000:
+        answered += 1
+        relay._write(conn, frames.answers([(answered, frames.OK)]))
+    assert not conn.open and len(frames.answers([(1, frames.OK)])) * answered > 1 << 20
+    theirs.close()
+    relay.close()
 
 
 # -- through the real broker ------------------------------------------------------------

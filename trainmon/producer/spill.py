@@ -196,14 +196,23 @@ class SpillFile:
         self.count = self.head = 0
 
 
-def claim_orphans(directory: Path, keep: Callable[[list[Entry]], bool], own: Path | None = None) -> None:
+# An orphan is handed over this much at a time: after a long outage it may hold gigabytes.
+CLAIM_CHUNK_BYTES = 8 << 20
+
+
+def claim_orphans(directory: Path, keep: Callable[[list[Entry]], bool], own: Path | None = None,
+                  chunk_bytes: int = CLAIM_CHUNK_BYTES) -> None:
     """Hand the records of spill files whose owner is gone (their flock is free) to
-    ``keep``, and delete each file once ``keep`` says its records are on disk again (in
-    the caller's own spill file). A file whose records could only be kept in memory
-    stays, so that a kill now still loses nothing (at worst its records are sent twice)."""
+    ``keep``, about ``chunk_bytes`` at a time, and delete each file once ``keep`` says all
+    its records are on disk again (in the caller's own spill file). A file whose records
+    could only be kept in memory stays, so that a kill now still loses nothing (at worst
+    its records are sent twice). A rewrite's temporary file whose owner is gone is
+    removed (its records are in its .spill file)."""
     directory = Path(directory)
     if not directory.is_dir():
         return
+    for temp in directory.glob(f"*{SUFFIX}{_COMPACTING}"):
+        _remove_if_unlocked(temp)
     for path in sorted(directory.glob(f"*{SUFFIX}")):
         if own is not None and path == own:
             continue
@@ -219,8 +228,25 @@ def claim_orphans(directory: Path, keep: Callable[[list[Entry]], bool], own: Pat
             if os.fstat(fd).st_nlink == 0:
                 continue  # another producer claimed it, or its owner rewrote it, while we waited
             with open(fd, "rb", closefd=False) as f:
-                entries = _load(f.read().decode())
-            if not entries or keep(entries):
-                path.unlink(missing_ok=True)
+                while lines := f.readlines(chunk_bytes):  # (whole lines, about chunk_bytes)
+                    entries = _load(b"".join(lines).decode())
+                    if entries and not keep(entries):
+                        break  # (what was kept so far is sent twice, after a later claim)
+                else:
+                    path.unlink(missing_ok=True)
         finally:
             os.close(fd)
+
+
+def _remove_if_unlocked(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        path.unlink(missing_ok=True)
+    except OSError:  # (BlockingIOError: its owner is rewriting it now)
+        pass
+    finally:
+        os.close(fd)

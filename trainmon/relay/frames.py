@@ -34,6 +34,9 @@ HELLO_ID = 0  # (a rank numbers its entries from 1)
 
 _LENGTH = struct.Struct(">I")
 READ_BYTES = 1 << 16  # what one recv on the socket takes, either side
+# No frame is longer (a rank's largest message is Kafka's, a megabyte or a few): a length
+# past it is not of the format, and a connection's buffer never grows past it.
+MAX_FRAME_BYTES = 64 << 20
 _ENTRY = struct.Struct(">QHH")
 _ANSWER = struct.Struct(">QB")
 _LAYOUT_ID = struct.Struct(">H")
@@ -134,6 +137,8 @@ def split(buffer: bytearray) -> list[bytes]:
         (length,) = _LENGTH.unpack_from(buffer, at)
         if length == 0:
             raise FrameError("an empty frame")
+        if length > MAX_FRAME_BYTES:
+            raise FrameError(f"a frame of {length:,} bytes, past the {MAX_FRAME_BYTES:,} any frame may have")
         if len(buffer) - at - _LENGTH.size < length:
             break
         frames.append(bytes(buffer[at + _LENGTH.size:at + _LENGTH.size + length]))

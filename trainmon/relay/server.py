@@ -55,6 +55,10 @@ DEFAULT_WINDOW_S = 0.05
 # benchmarks/disk_budget.py's records), for less CPU.
 KAFKA_COMPRESSION = {"compression.type": "zstd", "compression.level": 1}
 _ANSWER_WAIT_S = 0.02  # the longest one wait for Kafka's answers keeps the ranks' frames waiting
+# Answers a rank has not read, past what its socket holds: a rank reads its answers at
+# least every 64 messages or 10 s (producer/worker.py), some kilobytes; a peer that sends
+# and never reads is closed here instead of growing the relay's memory.
+MAX_UNREAD_ANSWER_BYTES = 8 << 20
 
 
 def default_socket_path(env: dict | None = None) -> str:
@@ -369,6 +373,11 @@ class Relay:
         try:
             frames.write(conn.sock, conn.unsent, frame)
         except OSError:
+            self._drop(conn)
+            return
+        if len(conn.unsent) > MAX_UNREAD_ANSWER_BYTES:
+            log.error("trainmon relay: closed a connection that left %d bytes of answers unread",
+                      len(conn.unsent))
             self._drop(conn)
             return
         if bool(conn.unsent) != conn.watching_writes:  # (a syscall: only when it changes)
