@@ -250,12 +250,14 @@ def test_a_spill_file_claimed_between_its_creation_and_its_lock_is_made_again(tm
     assert owner.path.read_text().count("\n") == 2
 
 
-def test_an_earlier_producers_records_wait_in_its_file_while_the_disk_is_full(tmp_path, monkeypatch):
+def test_an_earlier_producers_records_wait_in_its_file_while_the_disk_is_full_and_go_once_it_has_room(tmp_path, monkeypatch):
     """Adopting an orphan with this producer's own file unwritable: the orphan's records
     stay in their file (safe on disk), neither copied into memory, where they would be
-    counted dropped past the bound and crowd out this run's records, nor counted at all."""
+    counted dropped past the bound and crowd out this run's records, nor counted at all;
+    once the disk has room, the file is taken and sent (not only at the next start)."""
     import errno
 
+    from trainmon.producer import delivery as delivery_module
     from trainmon.producer import spill as spill_module
 
     spill_dir = tmp_path / "spill"
@@ -264,10 +266,15 @@ def test_an_earlier_producers_records_wait_in_its_file_while_the_disk_is_full(tm
     os.close(orphan._fd)  # its owner was killed: the lock is free
     orphan._fd = None
 
+    write_all, full = spill_module._write_all, [True]
+
     def full_disk(fd, data):
-        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        if full:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        write_all(fd, data)
 
     monkeypatch.setattr(spill_module, "_write_all", full_disk)
+    monkeypatch.setattr(delivery_module, "ORPHANS_RETRY_S", 0.2)
     broker = MemoryBroker()
     broker.up = False
     producer = producer_for(broker, tmp_path, queue_size=4, health_interval_s=0)
@@ -279,9 +286,13 @@ def test_an_earlier_producers_records_wait_in_its_file_while_the_disk_is_full(tm
     assert producer.dropped == 0 and orphan.path.exists()
     broker.up = True
     assert producer.flush(5)
-    assert len(steps_in(broker)) == 3
+    assert len(steps_in(broker)) == 3 and producer.dropped == 0
+    assert orphan.path.read_text().count("\n") == 10
+    full.clear()  # the disk has room again: the orphan is taken at a tick after its retry time
+    wait_until(lambda: producer.log_step(3, loss=1.0) and producer.flush(5) and not orphan.path.exists(),
+               10, "the earlier producer's file taken and sent")
+    assert sorted(json.loads(r)["orphan"] for r in steps_in(broker, "t")) == list(range(10))
     producer.close(timeout=1)
-    assert producer.dropped == 0 and orphan.path.read_text().count("\n") == 10
 
 
 def test_records_kafka_takes_while_the_client_closes_are_not_counted_dropped(tmp_path, unwritable_spill):

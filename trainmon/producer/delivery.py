@@ -32,6 +32,9 @@ log = logging.getLogger("trainmon.producer")
 # is away, so answers still missing after _ANSWERS_WITHIN_S are waited for.
 _BACKLOG_BATCH_BYTES = 8 << 20
 _ANSWERS_WITHIN_S = 10.0
+# An earlier producer's spill file left where it was (this one's disk full) is tried again
+# this often: each try reads up to a chunk of it (spill.CLAIM_CHUNK_BYTES).
+ORPHANS_RETRY_S = 30.0
 
 
 @dataclass
@@ -63,6 +66,10 @@ class Delivery:
         self.spill_error: OSError | None = None
         self.spill_errors = 0
         self._drop_reported = False
+        # An earlier producer's spill file this one's disk could not take: when to try
+        # again (the sender thread's tick), or None.
+        self.orphans_again_at: float | None = None
+        self._said_orphans_left = False
 
     def deliver(self, messages: list[Entry]) -> bool:
         """Send, or keep behind what waits; True when messages left for Kafka now."""
@@ -224,6 +231,7 @@ class Delivery:
     def adopt_orphans(self) -> None:
         """Earlier producers' spill files left on this machine: their records join the
         backlog, and each file is deleted once they are on disk here."""
+        self.orphans_again_at = None
         try:
             claim_orphans(self.spill_dir, self._keep_on_disk, own=self.spill.path)
         except OSError as exc:  # an unreadable spill directory: nothing of earlier runs to send
@@ -236,8 +244,12 @@ class Delivery:
         out this run's own."""
         kept = self.backlog.add_to_disk(entries)
         if not kept.on_disk:
-            log.warning("trainmon: cannot take an earlier producer's spill file into %s (%s); it is "
-                        "left for a later start", self.spill_dir, kept.disk_error)
+            if not self._said_orphans_left:
+                self._said_orphans_left = True
+                log.warning("trainmon: cannot take an earlier producer's spill file into %s (%s); it "
+                            "stays where it is, and is tried again every %.0f s", self.spill_dir,
+                            kept.disk_error, ORPHANS_RETRY_S)
+            self.orphans_again_at = time.monotonic() + ORPHANS_RETRY_S
         return kept.on_disk
 
     def flush(self, deadline: float) -> bool:

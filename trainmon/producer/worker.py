@@ -467,6 +467,8 @@ class Worker:
     def _tick(self) -> bool:
         """Encode and deliver what is queued; True when told to stop."""
         items = self._in_hand = self._next_items()
+        if (again := self._delivery.orphans_again_at) is not None and time.monotonic() >= again:
+            self._delivery.adopt_orphans()
         if self._transport.in_flight and time.monotonic() - self._served_at >= _SERVE_EVERY_S:
             # Kafka's reports so far (a failed message is spilled). Only messages handed
             # over before this tick can have one.
