@@ -339,9 +339,7 @@ class Worker:
         """Records logged once the producer closed (another thread of the job still logging
         at exit, say): no thread sends them now. They go to the spill file, which the next
         producer on this machine sends, or are counted dropped where it cannot take them."""
-        entries = [item.entry if type(item) is _Encoded else self._encoder.queued(item)
-                   for item in items if isinstance(item, (tuple, _Encoded))]
-        entries = [entry for entry in entries if entry is not None]
+        entries = [entry for entry in map(self._entry_of, items) if entry is not None]
         if not entries:
             return
         records = sum(count(value) for _, _, value in entries)
@@ -513,16 +511,23 @@ class Worker:
         for item in items:
             if isinstance(item, _Flush):
                 item.done.set()  # (ok stays False)
-            elif isinstance(item, (tuple, _Encoded)):
-                try:
-                    entry = item.entry if type(item) is _Encoded else self._encoder.queued(item)
-                except Exception:  # (the encoder itself failing: this record is lost, said)
-                    log.exception("trainmon: could not keep a record after the sender's error")
-                    self._delivery.dropped += 1
-                    continue
-                if entry is not None:
-                    kept.append(entry)
+                continue
+            try:
+                entry = self._entry_of(item)
+            except Exception:  # (the encoder itself failing: this record is lost, said)
+                log.exception("trainmon: could not keep a record after the sender's error")
+                self._delivery.dropped += 1
+                continue
+            if entry is not None:
+                kept.append(entry)
         self._delivery.keep(kept)
+
+    def _entry_of(self, item) -> Entry | None:
+        """A queued item's entry, outside a tick; None for a marker (a flush, the stop) or
+        a record the encoder rejects (counted and logged)."""
+        if type(item) is _Encoded:
+            return item.entry
+        return self._encoder.queued(item) if isinstance(item, tuple) else None
 
     def _deliver(self, entries: list[Entry]) -> None:
         if self._delivery.deliver(pack_messages(entries)):
