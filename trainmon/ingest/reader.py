@@ -38,7 +38,16 @@ class _Lines:
 
     def push(self, data: bytes) -> list[str]:
         data = self._rest + data
-        *complete, self._rest = data.split(b"\n")
+        *complete, rest = data.split(b"\n")
+        # A progress bar redraws over itself with carriage returns and writes its newline
+        # only when it closes (a whole epoch): each draw before the last "\r" is complete
+        # (the session reads every draw as a line of its own). A final "\r" may be the
+        # first half of "\r\n", and the draw after the last one may still be written.
+        cut = rest.rfind(b"\r", 0, len(rest) - 1)
+        if cut > 0:
+            complete.append(rest[:cut])
+            rest = rest[cut:]
+        self._rest = rest
         return [_decode(line).rstrip("\r") for line in complete]
 
     def drain(self) -> list[str]:
@@ -71,6 +80,10 @@ def follow(path: Path, *, idle_s: float = 0.1, poll_s: float = 0.02,
                 continue
             if _replaced(path, f):
                 log.info("trainmon ingest: %s was replaced (rotated); reading the new file", path)
+                # What the job wrote to the old file since the read above (it still has
+                # it open): read to its end before the new one.
+                while data := f.read(CHUNK):
+                    yield from lines.push(data)
                 yield from lines.drain()  # the old file's last line, unterminated
                 f.close()
                 f = None
