@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from types import SimpleNamespace
 
 import pytest
 
@@ -110,3 +111,62 @@ def test_metric_names_map_onto_records(lightning, make_producer):
     assert steps == [("log_step", (10,), {"loss": 2.5, "epoch": 1.0, "norm": 3.0, "lr": 1e-4,
                                           "losses": {"train/aux_loss": 0.1}})]
     assert [s for s in sent if s[0] == "log_eval"] == [("log_eval", (20,), {"loss": 2.0, "epoch": 1.0})]
+
+
+class _StubProducer:
+    """The producer calls TrainmonLogger makes, in order."""
+
+    def __init__(self):
+        self.config = SimpleNamespace(run_id="pl-stub")
+        self.calls: list[str] = []
+
+    def run_start(self, **kw):
+        self.calls.append("run_start")
+
+    def log_step(self, step, **kw):
+        self.calls.append("log_step")
+
+    def log_eval(self, step, **kw):
+        self.calls.append("log_eval")
+
+    def log_checkpoint(self, step, **kw):
+        self.calls.append("log_checkpoint")
+
+    def run_end(self, status, **kw):
+        self.calls.append("run_end")
+
+    def flush(self, timeout=10.0):
+        # A real Producer.flush waits until Kafka has acknowledged every record, up to
+        # ``timeout`` (+1 s): with the broker down, that is 11 s of the training loop.
+        self.calls.append(f"flush({timeout})")
+        return True
+
+
+def test_lightning_logger_does_not_flush_the_producer_at_every_logged_step(lightning, tmp_path):
+    from trainmon.integrations.lightning import TrainmonLogger
+
+    class Model(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch, _):
+            loss = self.net(batch[0]).pow(2).mean()
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 2)), batch_size=4)
+    producer = _StubProducer()
+    trainer = lightning.Trainer(max_steps=6, log_every_n_steps=1, accelerator="cpu", devices=1,
+                                enable_progress_bar=False, enable_model_summary=False,
+                                enable_checkpointing=False, logger=TrainmonLogger(producer),
+                                default_root_dir=str(tmp_path))
+    trainer.fit(Model(), data)
+    assert producer.calls.count("log_step") == 6
+    # Lightning's LoggerConnector.log_metrics calls logger.save() right after every
+    # logger.log_metrics(): a flush there makes every logged step wait for Kafka.
+    during_training = producer.calls[:producer.calls.index("run_end")]
+    assert not [c for c in during_training if c.startswith("flush")], producer.calls

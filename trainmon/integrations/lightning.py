@@ -86,7 +86,9 @@ class TrainmonLogger(ProducerOwner, Logger):
         self._guard("after_save_checkpoint", saved)
 
     def save(self) -> None:
-        self._guard("save", lambda: self.producer.flush(10.0))
+        """Nothing to do: the producer sends in the background. Lightning calls ``save()``
+        after every ``log_metrics``; a flush here would make each logged step wait for
+        Kafka (up to 11 s when it is down). ``finalize`` flushes once, at the end."""
 
     def finalize(self, status: str) -> None:
         def end():
