@@ -220,6 +220,8 @@ def test_tflops_and_sol_percent():
     ("NVIDIA H100 80GB HBM3", "H100 SXM"), ("NVIDIA H100 PCIe", "H100 PCIe"),
     ("NVIDIA H100 NVL", "H100 NVL"), ("NVIDIA H200", "H200 SXM"), ("NVIDIA H200 NVL", "H200 NVL"),
     ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA A100 80GB PCIe", "A100"), ("Tesla T4", None),
+    # Not an A100: its peak would make the SOL % ~100x too low.
+    ("NVIDIA RTX A1000", None), ("NVIDIA RTX A1000 6GB Laptop GPU", None),
 ])
 def test_gpu_names_map_to_the_peak_table(name, family):
     assert gpu_family(name) == family

@@ -16,6 +16,8 @@ counted: this is *model* FLOPs, not hardware FLOPs.
 
 from __future__ import annotations
 
+import re
+
 # Dense (no 2:4 sparsity) tensor-core peak TFLOPS. NVIDIA's datasheets print the sparse
 # figure with an asterisk ("shown with sparsity; specifications one-half lower without"),
 # so each value here is half the datasheet number.
@@ -51,7 +53,7 @@ def gpu_family(device_name: str) -> str | None:
             if "PCIE" in name:
                 return "H100 PCIe" if chip == "H100" else None
             return f"{chip} SXM"  # SXM parts name no form factor ("NVIDIA H100 80GB HBM3")
-    return "A100" if "A100" in name else None
+    return "A100" if re.search(r"A100(?!\d)", name) else None  # not an RTX A1000
 
 
 def peak_tflops(device_name: str, dtype: str = "bf16") -> float | None:
