@@ -56,6 +56,10 @@ def _lines_if_packed(value: bytes) -> int:
 
 class RecordStream:
     MAX_RECORDS = 10_000  # per poll, unless the caller asks for fewer
+    # A dead letter keeps this much of the record's bytes (base64: a third more), so that it
+    # stays within Kafka's message size (1 MB by default) whatever the record's size.
+    DEAD_LETTER_VALUE_BYTES = 256 * 1024
+    DEAD_LETTERS_WAIT_S = 10.0  # for Kafka to acknowledge the dead letters sent (settle_dead_letters)
 
     def __init__(self, group_id: str, kinds: Iterable[str] | None = None, *,
                  topic_prefix: str | None = None, env: dict | None = None,
@@ -219,10 +223,16 @@ class RecordStream:
             "index": message.index,
             "error": error,
             "key": message.key.decode("utf-8", "replace") if message.key else None,
-            "value_base64": base64.b64encode(message.value or b"").decode(),
+            "value_base64": base64.b64encode((message.value or b"")[:self.DEAD_LETTER_VALUE_BYTES]).decode(),
         }
-        self._dlq.send(topics.topic_for(topics.DEADLETTER, self.prefix), json.dumps(body).encode(),
-                       key=message.key)
+        if len(message.value or b"") > self.DEAD_LETTER_VALUE_BYTES:
+            body["value_bytes"] = len(message.value)  # the rest stays in Kafka, at its offset
+            body["value_truncated"] = True
+        delivery = self._dlq.send(topics.topic_for(topics.DEADLETTER, self.prefix), json.dumps(body).encode(),
+                                  key=message.key)
+        if delivery.failed:
+            log.error("trainmon: dead letter of %s[%d]@%d#%d refused by the producer: %s", message.topic,
+                      message.partition, message.offset, message.index, delivery.error)
 
     def positions(self) -> dict[TopicPartition, int]:
         """Where each assigned partition has been read up to (its next offset)."""
@@ -230,17 +240,20 @@ class RecordStream:
 
     def commit(self, offsets: dict[TopicPartition, int]) -> None:
         """Commit these next-offsets; the dead letters sent so far are durable first."""
-        self._settle_dead_letters()
+        self.settle_dead_letters()
         self.consumer.commit(offsets)
 
     def commit_polled(self) -> None:
         """Commit the positions of everything polled so far (dead letters included)."""
         self.commit(self.positions())
 
-    def _settle_dead_letters(self) -> None:
-        # Dead letters are durable before their offsets are committed.
-        if self._dlq is not None and not self._dlq.flush(10):
-            raise KafkaError("dead letters not acknowledged by Kafka within 10 s", retriable=True)
+    def settle_dead_letters(self) -> None:
+        """Return once every dead letter sent so far is in Kafka (KafkaError, retriable,
+        after DEAD_LETTERS_WAIT_S): before their offsets are committed, or before anything a sink resumes
+        from (the loader's rows) moves past them."""
+        if self._dlq is not None and not self._dlq.flush(self.DEAD_LETTERS_WAIT_S):
+            raise KafkaError(f"dead letters not acknowledged by Kafka within {self.DEAD_LETTERS_WAIT_S:g} s",
+                             retriable=True)
 
     def close(self) -> None:
         try:

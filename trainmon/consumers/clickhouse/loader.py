@@ -50,7 +50,7 @@ from typing import Sequence
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from ...kafka_client import TopicPartition
+from ...kafka_client import KafkaError, TopicPartition
 from ...schemas import RECORD_TYPES
 from .. import runtime
 from ..metrics import LATENCY_BUCKETS
@@ -140,6 +140,7 @@ class ClickHouseSink(runtime.Sink):
                                        lambda b: b.rows, "trainmon-clickhouse-insert", key=lambda b: b.tp)
         self._flushed_at = time.monotonic()
         self._rewind: dict[TopicPartition, int] = {}
+        self._dead_letters_settled = 0  # the stream's dead letters known to be in Kafka
         self._receiving = False
         self._reported_at = time.monotonic()
 
@@ -211,7 +212,17 @@ class ClickHouseSink(runtime.Sink):
                 self.writer.wait(rows_at_most=self.buffers.max_rows)
                 if self.writer.error is not None:
                     continue
-                for batch in self._batches(self.buffers.take()):
+                self._dead_letters_durable()  # the poll's (records that did not decode)
+                batches = self._batches(self.buffers.take())
+                if self._dead_letters_pending():
+                    # Decoding a mixed partition dead-lettered records: these batches are
+                    # written here, in order, each once the dead letters are in Kafka.
+                    self.writer.wait()
+                    if self.writer.error is not None:
+                        self._unwritten.extend(self.writer.take_back())
+                    self._unwritten.extend(batches)
+                    continue
+                for batch in batches:
                     self.writer.submit(batch)
             if self.context.stopping:
                 self.writer.wait()
@@ -269,7 +280,12 @@ class ClickHouseSink(runtime.Sink):
         batches = [b for b in self._unwritten if b.tp in revoked]
         self._unwritten = deque(b for b in self._unwritten if b.tp not in revoked)
         batches += self._batches(self.buffers.take(only=revoked))
+        failed: set[TopicPartition] = set()
         for batch in batches:
+            if batch.tp in failed:
+                # Nothing of a partition may land after a batch of it that did not: the
+                # next owner resumes from max(_offset) + 1 and would skip the failed one.
+                continue
             try:
                 # No dead-lettering in a rebalance: a refused record is read again by
                 # whoever owns the partition next, and dead-lettered there.
@@ -277,6 +293,7 @@ class ClickHouseSink(runtime.Sink):
                                         attempts=REVOKE_ATTEMPTS)
             except runtime.RetriableError as exc:
                 # Not written: read them again should the partition come back to us.
+                failed.add(batch.tp)
                 self._rewind.setdefault(batch.tp, batch.messages[0].offset)
                 log.warning("revoked %s[%d] with %d rows not written (%s)", batch.tp.topic,
                             batch.tp.partition, batch.rows, exc)
@@ -292,6 +309,7 @@ class ClickHouseSink(runtime.Sink):
         """Insert one batch; see :mod:`.refusals` for what each error leads to. Errors a
         retry can fix are raised as RetriableError for the runtime's retry policy; with
         ``dead_letter=False`` (in a rebalance) a refused row is one of them."""
+        self._dead_letters_durable()
         try:
             self._insert(batch, settings)
             return
@@ -364,6 +382,24 @@ class ClickHouseSink(runtime.Sink):
                         self.storage, batch.token, self.disk_full_errors)
         if crash:
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def _dead_letters_pending(self) -> bool:
+        return self.context.stream.dead_letters != self._dead_letters_settled
+
+    def _dead_letters_durable(self) -> None:
+        """Every dead letter so far in Kafka before rows after it land: the loader resumes
+        a partition from max(_offset) + 1 stored in ClickHouse, past them, so one still in
+        the producer's queue at a crash (or a stop while Kafka is away) would be lost, its
+        record neither stored nor dead-lettered. (On the runtime's thread only.)"""
+        if not self._dead_letters_pending():
+            return
+        stream = self.context.stream
+        dead_letters = stream.dead_letters
+        try:
+            stream.settle_dead_letters()
+        except KafkaError as exc:
+            raise runtime.RetriableError(f"dead letters: {exc}") from exc
+        self._dead_letters_settled = dead_letters
 
     def _out_of_space(self, batch: Batch, error: BaseException) -> None:
         """Say once per episode that the data volume is full; count every refusal."""
