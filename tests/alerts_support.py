@@ -225,3 +225,24 @@ def t0_now(steps: int = 80, dt: float = 1.0) -> float:
 def past_t0(seconds_ago: float = 900.0) -> float:
     return time.time() - seconds_ago
 
+
+def failed_run_alerts(ranks: int, t0: float = 1.7e9):
+    """A run of ``ranks`` ranks ending failed, each rank with its own reason (NCCL's
+    watchdog names the rank and how long the collective ran): the run_failed alerts."""
+    def at(s):
+        return datetime.fromtimestamp(t0 + s, UTC)
+
+    records = [RunRecord(run_id="huge", rank=r, world_size=ranks, host=f"node{r // 8}", event="start",
+                         time=at(0), event_id=f"start-{r}") for r in range(ranks)]
+    records += [RunRecord(run_id="huge", rank=r, world_size=ranks, host=f"node{r // 8}", event="end",
+                          status="failed", time=at(10), event_id=f"end-{r}",
+                          reason=f"[Rank {r}] Watchdog caught collective operation timeout: WorkNCCL("
+                                 f"SeqNum=4242, OpType=ALLREDUCE, NumelIn=262144, NumelOut=262144, "
+                                 f"Timeout(ms)=600000) ran for {600000 + r} milliseconds before timing out.")
+                for r in range(ranks)]
+    engine = engine_with()
+    out = []
+    for record in records:
+        out += engine.process(record)
+    out += engine.tick()
+    return [a for a in out if a.rule == "run_failed"]

@@ -4,12 +4,13 @@ ids), the NCCL RAS style rank summary, and robustness to odd but valid records."
 from __future__ import annotations
 
 import time
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 
 from trainmon.consumers.alerts import AlertEngine, load_config
 from trainmon.consumers.alerts.incidents import event_id
+from trainmon.schemas import RunRecord, encode
 
-from .alerts_support import process_records, synthetic_run
+from .alerts_support import engine_with, failed_run_alerts, firing, process_records, run_engine, synthetic_run
 
 
 def nan_steps(*steps):
@@ -217,3 +218,69 @@ def test_every_rule_state_survives_a_json_checkpoint():
         rest_b += b.process(r) + b.tick()
     assert [x.model_dump() for x in rest_a] == [x.model_dump() for x in rest_b]
     assert {x.rule for x in rest_a} >= {"exploding_grad"}
+
+
+T0 = 1.7e9
+
+
+def _loss_spike_at(steps):
+    def mutate(s, r, step, *_):
+        if s in steps:
+            step["loss"] = 10.0
+    return mutate
+
+
+def test_a_run_resumed_from_an_earlier_checkpoint_fires_again_below_the_old_closed_step():
+    """A run fails at step 99 after a loss spike at 60 that resolved; it is restarted (run
+    start, same run id) from its step-50 checkpoint and spikes again at step 60. The second
+    spike is a new incident, not "a late record from before the incident resolved"."""
+    engine = engine_with()
+    first = synthetic_run("r", t0=T0, steps=100, mutate=_loss_spike_at({60, 61}),
+                          end_status="failed", end_reason="boom")
+    before = firing(run_engine(engine, first))
+    assert ("loss_spike", 60) in [(a.rule, a.step) for a in before]
+    restart = RunRecord(run_id="r", rank=0, world_size=1, host="node0", event="start",
+                        time=datetime.fromtimestamp(T0 + 1000, timezone.utc), event_id="start-2")
+    second = synthetic_run("r", t0=T0 + 1000, first_step=50, steps=100,
+                           mutate=_loss_spike_at({60, 61}))
+    after = firing(run_engine(engine, [restart, *second]))
+    assert ("loss_spike", 60) in [(a.rule, a.step) for a in after], \
+        [(a.rule, a.step, a.incident_id) for a in after]
+
+
+def test_a_run_whose_steps_start_over_without_a_run_end_fires_again_below_the_old_closed_step():
+    """The same without run records: the job was requeued (kill -9, no run end) and
+    resumed from step 50; its steps go back (RunState.rewind) and the spike comes again."""
+    engine = engine_with()
+    first = synthetic_run("r", t0=T0, steps=100, mutate=_loss_spike_at({60, 61}), end=False)
+    assert ("loss_spike", 60) in [(a.rule, a.step) for a in firing(run_engine(engine, first))]
+    second = synthetic_run("r", t0=T0 + 1000, first_step=50, steps=100,
+                           mutate=_loss_spike_at({60, 61}), end=False)
+    after = firing(run_engine(engine, second))
+    assert ("loss_spike", 60) in [(a.rule, a.step) for a in after]
+
+
+def test_a_run_that_fails_while_the_rate_limit_is_spent_still_pages_its_failure():
+    """40 GPUs overheat (40 per-GPU incidents: 30 fire, the rate limit of 30 a minute holds
+    back the rest), then the job dies of it within the same minute. The run's failure is
+    judged once, when its ends are applied: held back then, it never fires at all, and
+    nobody is told the run failed."""
+    def hot(s, r, step, gpu, moe):
+        if s >= 5:
+            gpu["temperature"] = 95
+    records = synthetic_run("r", t0=T0, ranks=40, steps=20, mutate=hot, end_status="failed",
+                            end_reason="Xid 79: GPU has fallen off the bus")
+    engine = engine_with()
+    fired = firing(run_engine(engine, records))
+    assert engine.book.suppressed > 0  # the rate limit did hold the GPU incidents back
+    assert "run_failed" in {a.rule for a in fired}
+
+
+def test_a_failed_run_of_thousands_of_ranks_makes_an_alert_kafka_can_take():
+    """Kafka takes a message of up to 1,000,000 bytes (the producer's message.max.bytes,
+    kafka_client.transport). The run_failed alert lists every distinct reason: 8,192 ranks
+    with their own watchdog lines make an alert of ~1.8 MB, which the durable producer
+    refuses at once, every time (see the Kafka test below)."""
+    [fired] = failed_run_alerts(8192)
+    assert fired.state == "firing"
+    assert len(encode(fired)) < 1_000_000, f"{len(encode(fired)):,} bytes"

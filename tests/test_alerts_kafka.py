@@ -19,7 +19,7 @@ from trainmon import topics
 from trainmon.consumers.alerts.config import Rules
 from trainmon.producer import Producer, ProducerConfig
 
-from .alerts_support import past_t0, run_until_idle, send, service_env, synthetic_run
+from .alerts_support import failed_run_alerts, past_t0, run_until_idle, send, service_env, synthetic_run
 from .conftest import read_records, read_topic, send_raw
 from .test_alerts_rules import NCCL_BURST, SHAPE, TEST_SETTINGS, Scenario, at
 
@@ -126,3 +126,27 @@ def test_its_metrics_count_the_alerts_per_rule_and_the_dead_letters(alerts_by_ru
 @pytest.mark.parametrize("rule", list(BY_RULE))
 def test_same_run_without_the_anomaly_stays_silent(alerts_by_run, rule):
     assert alerts_by_run.get(f"{rule}-ok", []) == []
+
+
+def test_publishing_a_failed_run_of_thousands_of_ranks_does_not_fail_forever(bootstrap, topic_prefix):
+    """The consequence on a real broker: AlertPublisher.publish raises RetriableError on
+    every call for that alert, so the service's flush is retried without end: no alert of
+    any run is published again (nor the input committed) until the engine is reset."""
+    from trainmon import topics
+    from trainmon.consumers.alerts.alert_topic import AlertPublisher
+    from trainmon.consumers.runtime import RetriableError
+
+    alerts = failed_run_alerts(8192)
+    publisher = AlertPublisher(topics.topic_for("alert", topic_prefix), {"TRAINMON_KAFKA_BOOTSTRAP": bootstrap})
+    try:
+        errors = []
+        for _ in range(3):  # (the runtime retries the flush like this, with backoff, forever)
+            try:
+                publisher.publish(alerts)
+                break
+            except RetriableError as exc:
+                errors.append(str(exc))
+        else:
+            raise AssertionError(f"never published: {errors[-1]}")
+    finally:
+        publisher.close()

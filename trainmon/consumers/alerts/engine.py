@@ -93,6 +93,8 @@ class AlertEngine:
             run.set_ended(rs, False)  # records after its end: the rank is back (resumed)
             run.pending_ends.discard(rs.rank)
         if kind == "step":
+            if rs.last_step is not None and record.step < rs.last_step:
+                self.book.steps_start_over(record.run_id)  # (on_step rewinds the run)
             run.on_step(rs, record.step, t, record.duration_ms, t if received is None else received,
                         record.total_steps)
         for rule in self._by_kind.get(kind, ()):
@@ -148,6 +150,7 @@ class AlertEngine:
 
     def _restarted(self, record, t: float, why: str) -> list[AlertRecord]:
         """A run that failed (or went silent) reports again: those incidents resolve."""
+        self.book.steps_start_over(record.run_id)  # it may resume from an earlier step
         if record.run_id not in self.book.by_run:
             return []
         step = getattr(record, "step", None)

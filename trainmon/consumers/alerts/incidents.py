@@ -31,6 +31,16 @@ UTC = timezone.utc
 WHOLE_RUN = -1  # rank key of observations made for the run as a whole (mismatch, stall)
 Key = tuple  # (rule, run_id, subject)
 SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2}
+# An alert's message is cut to this: an alert is one Kafka message, 1 MB at most, and one
+# naming every rank's reason (a failed run of thousands of ranks) would be refused for good.
+MAX_MESSAGE_CHARS = 8000
+
+
+def cut(message: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    if len(message) <= limit:
+        return message
+    tail = f" ... [{len(message) - limit:,} more characters cut]"
+    return message[:limit - len(tail)] + tail
 
 
 def incident_id(run_id: str, rule: str, subject: str, ordinal: int) -> str:
@@ -140,7 +150,9 @@ class IncidentBook:
             return None
         if ks.closed_at is not None and time - ks.closed_at < cfg.cooldown_s:
             return None
-        if not self._within_rate(run_id, time):
+        # A lasting rule's observation (a run's failure) is made once, not again on the next
+        # record: held back by the rate limit, it would never fire.
+        if rule not in self.lasting_rules and not self._within_rate(run_id, time):
             self.suppressed += 1
             return None
         alert = self._fire(ks, rule, run_id, subject, step=step, time=time, value=value,
@@ -156,14 +168,14 @@ class IncidentBook:
             run_id=run_id, rank=ranks[0] if ranks else 0, world_size=world_size, host=host,
             time=_dt(time), event_id=event_id(iid, "firing"), rule=rule, severity=severity,
             state="firing", incident_id=iid, ranks=sorted(ranks), step=step, value=value,
-            threshold=threshold, message=message)
+            threshold=threshold, message=cut(message))
         self.apply(alert)
         return alert
 
     def _escalate(self, ks: KeyState, inc: Incident, rule: str, run_id: str, subject: str,
                   rank_key: int, *, step, time, value, threshold, message, world_size, host, ranks,
                   severity) -> list[AlertRecord] | None:
-        if not self._within_rate(run_id, time):
+        if rule not in self.lasting_rules and not self._within_rate(run_id, time):
             self.suppressed += 1
             return None
         old = inc.alert
@@ -174,7 +186,8 @@ class IncidentBook:
         fired = self._fire(ks, rule, run_id, subject, step=step, time=time, value=value,
                            threshold=threshold, world_size=world_size, host=host,
                            ranks=sorted(involved), severity=severity,
-                           message=f"{message} [escalated from {was}{where}, incident #{ks.ordinal}]")
+                           message=f"{cut(message, MAX_MESSAGE_CHARS - 200)} [escalated from {was}{where}, "
+                                   f"incident #{ks.ordinal}]")
         ks.open.bad = bad | {rank_key}
         return [resolved, fired]
 
@@ -253,6 +266,12 @@ class IncidentBook:
                 ks.streaks.clear()
                 out.append(self._resolve(ks, ks.open, step, time, None, reason))
         return out
+
+    def steps_start_over(self, run_id: str) -> None:
+        """The run's step count went back (resumed from an earlier checkpoint): a step at or
+        below where an incident resolved is no longer a late record from before it."""
+        for key in self.by_run.get(run_id, ()):
+            self.keys[key].closed_step = None
 
     def forget_run(self, run_id: str) -> None:
         """Drop everything about a run long gone (its incident numbering included)."""
@@ -335,7 +354,7 @@ class IncidentBook:
             time=_dt(time), event_id=event_id(fired.incident_id, "resolved"), rule=fired.rule,
             severity=fired.severity, state="resolved", incident_id=fired.incident_id,
             ranks=sorted(inc.ranks), step=step, value=value, threshold=fired.threshold,
-            message=message)
+            message=cut(message))
         self.apply(alert)
         return alert
 
