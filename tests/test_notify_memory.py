@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import pytest
 
 from trainmon.consumers.notify import messages
+from trainmon.consumers.notify.delivered import DeliveredLog
 
 from .notify_support import MailServer, WebhookServer, alert, broker_with, deliver, nan_burst, notify_env, resolved
 
@@ -170,3 +172,75 @@ def test_the_repost_interval_must_be_positive_and_a_short_one_is_kept():
         load_config({"TRAINMON_NOTIFY_REPOST_S": "0"})
     assert NotifySink(load_config({"TRAINMON_NOTIFY_REPOST_S": "0.2"}), topic_prefix="t.").poll_s == 0.2
     assert NotifySink(load_config({}), topic_prefix="t.").poll_s == 1.0  # a minute: looked at every second
+
+
+def test_a_delivery_marked_after_a_torn_line_survives_the_next_restart(tmp_path):
+    """kill -9 mid-write leaves the delivered log ending in a torn line (no newline). The
+    next process must not append its first line onto that torn one, or the delivery (and
+    an action's at-most-once mark) is lost at the restart after: paged twice."""
+    path = tmp_path / "delivered.jsonl"
+    log = DeliveredLog(path)
+    log.mark(["url-1#alert-a-firing"])
+    log.close()
+    with open(path, "a", encoding="utf-8") as f:
+        f.write('{"delivered": ["url-1#alert-b-fi')  # killed mid-write
+    log = DeliveredLog(path)  # restart: the torn line is ignored
+    assert "url-1#alert-a-firing" in log
+    log.mark(["url-1#alert-c-firing"])  # delivered, marked
+    log.set_firing({"incident_id": "r/nan/rank0#1", "event_id": "alert-c-firing"})
+    log.close()
+    again = DeliveredLog(path)  # the next restart
+    assert "url-1#alert-c-firing" in again
+    assert "r/nan/rank0#1" in again.firing
+    again.close()
+
+
+def test_a_url_gone_for_good_holds_back_the_next_page_once_not_once_per_message(tmp_path):
+    """A dead URL and a live one; a burst of 10 incidents of different rules (10 messages),
+    then one more incident. The runtime retries the flush before it reads anything new, so
+    the next incident waits until the dead URL's messages are given up. Given up one
+    message at a time, each after give_up_after_s of its own failures, the next page waits
+    10 x give_up_after_s (with the default 600 s: 100 minutes with nobody paged for
+    anything); the URL is known dead after the first give_up_after_s."""
+    give_up_s = 0.5
+    burst = [alert("run-z", f"rule{i}", "run", severity="warning") for i in range(10)]
+    later = alert("run-y", "nan", "rank0")
+    with WebhookServer() as hook:
+        hook.received.refuse = 10**6  # the dead URL's server (told apart from the live one by port)
+        dead = f"json://127.0.0.1:{hook.port}/dead"
+        with WebhookServer() as live:
+            env = notify_env(tmp_path, f"{dead} {live.json_url()}",
+                             notify_give_up_after_s=str(give_up_s), notify_rate_per_min="100")
+            broker = broker_with(burst)
+            started = time.monotonic()
+            sink = deliver(broker, env)  # (returns once the burst's flush went through)
+            took = time.monotonic() - started
+            broker_with([later], broker)
+            deliver(broker, env)
+    assert later.event_id in live.received.event_ids()
+    assert sink.stats["given_up"] == 10
+    assert took < 4 * give_up_s, f"the next page waited {took:.1f} s behind a dead URL"
+
+
+def test_a_url_given_up_on_is_waited_for_again_at_its_next_outage(tmp_path, monkeypatch):
+    """Failing since is per URL until a delivery there succeeds; but a URL given up on and
+    without a failure since for NEW_OUTAGE_AFTER_S starts a new outage: its next failure is
+    retried for give_up_after_s again, not given up after one try."""
+    from trainmon.consumers.notify import sink as sink_module
+    from trainmon.consumers.notify.config import load_config
+    from trainmon.consumers.notify.sink import NotifySink
+
+    now = [1000.0]
+    monkeypatch.setattr(sink_module.time, "monotonic", lambda: now[0])
+    sink = NotifySink(load_config(notify_env(tmp_path, notify_give_up_after_s="10")), topic_prefix="t.")
+    assert not sink._give_up("url", "first message")  # the outage starts
+    now[0] += 6
+    assert not sink._give_up("url", "first message")  # retried (the runtime's backoff)
+    now[0] += 5
+    assert sink._give_up("url", "first message")  # failing for 11 s: given up
+    now[0] += 1
+    assert sink._give_up("url", "second message")  # the same outage: one try
+    now[0] += sink_module.NEW_OUTAGE_AFTER_S + 1  # nothing failed there since
+    assert not sink._give_up("url", "third message")  # a new outage: waited for again
+    now[0] += 5
+    assert not sink._give_up("url", "third message")

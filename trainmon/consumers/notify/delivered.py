@@ -33,12 +33,18 @@ class DeliveredLog:
         self.firing: dict[str, dict] = {}  # incident id -> the alert posted to Alertmanager
         self.lines = 0
         path.parent.mkdir(parents=True, exist_ok=True)
+        torn = False
         if path.exists():
-            self._load()
+            torn = self._load()
         self._file = open(path, "a", encoding="utf-8")
+        if torn:  # end the torn line: the next entry must not be appended onto it
+            self._file.write("\n")
+            self._file.flush()
 
-    def _load(self) -> None:
-        for line in self.path.read_text(encoding="utf-8").splitlines():
+    def _load(self) -> bool:
+        """Whether the file ends in a torn line (no newline)."""
+        text = self.path.read_text(encoding="utf-8")
+        for line in text.splitlines():
             try:
                 entry = json.loads(line)
             except json.JSONDecodeError:
@@ -46,6 +52,7 @@ class DeliveredLog:
                 continue
             self._apply(entry)
             self.lines += 1
+        return bool(text) and not text.endswith("\n")
 
     def _apply(self, entry: dict) -> None:
         if "delivered" in entry:

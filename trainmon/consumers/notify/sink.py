@@ -40,6 +40,10 @@ from .messages import group
 
 log = logging.getLogger("trainmon.notify")
 UTC = timezone.utc
+# A destination given up on and without a failure for this long is in a new outage when it
+# fails again: waited for give_up_after_s again. (Within one outage the runtime retries at
+# least every 30 s, its backoff's cap.)
+NEW_OUTAGE_AFTER_S = 120.0
 
 
 class NotifySink(runtime.Sink):
@@ -63,7 +67,8 @@ class NotifySink(runtime.Sink):
         self.pending: list[AlertRecord] = []
         self._first_put_at: float | None = None
         self._reposted_at = 0.0
-        self._failing_since: dict[str, float] = {}  # delivery key -> when it first failed
+        # URL key or "alertmanager" -> (failing since, last failure)
+        self._failing_since: dict[str, tuple[float, float]] = {}
         self.stats = {"alerts": 0, "messages": 0, "failures": 0, "rate_limited": 0, "stale": 0,
                       "actions": 0, "action_failures": 0, "alertmanager_posts": 0, "given_up": 0}
 
@@ -176,12 +181,12 @@ class NotifySink(runtime.Sink):
             self.alertmanager.post(bodies)
         except runtime.RetriableError as exc:
             self.stats["failures"] += 1
-            if not self._give_up(f"am#{todo[0].event_id}", f"Alertmanager: {len(todo)} alert(s)"):
+            if not self._give_up("alertmanager", f"Alertmanager: {len(todo)} alert(s)"):
                 return [str(exc)]
             # Given up: what fired is re-posted from tick all the same; what resolved ends
             # there at the endsAt it was last posted with.
         else:
-            self._failing_since.pop(f"am#{todo[0].event_id}", None)
+            self._failing_since.pop("alertmanager", None)
             self.stats["alertmanager_posts"] += 1
         for alert in todo:
             if alert.state == "firing":
@@ -204,24 +209,29 @@ class NotifySink(runtime.Sink):
                 continue
             if not channel.send(message):
                 self.stats["failures"] += 1
-                if self._give_up(keys[0], f"{channel.name}: {message.title}"):
+                if self._give_up(channel.key, f"{channel.name}: {message.title}"):
                     self.state.mark(keys)
                     continue
                 return [f"{channel.name} refused or unreachable"]  # its next ones wait for the retry
-            self._failing_since.pop(keys[0], None)
+            self._failing_since.pop(channel.key, None)
             self.stats["messages"] += 1
             self.state.mark(keys)
         return []
 
     def _give_up(self, key: str, what: str) -> bool:
-        """Whether a delivery failing since long enough is given up: a URL gone for good
-        must not hold back every other delivery (the runtime retries a failed flush
-        before it reads anything new)."""
+        """Whether a delivery to ``key`` (a URL, Alertmanager) failing since long enough is
+        given up: a URL gone for good must not hold back every other delivery (the runtime
+        retries a failed flush before it reads anything new). Failing since is per
+        destination, until a delivery there succeeds: once it is given up on, its next
+        messages are not each waited for that long again (unless nothing failed there for
+        NEW_OUTAGE_AFTER_S: a new outage)."""
         now = time.monotonic()
-        since = self._failing_since.setdefault(key, now)
+        since, last = self._failing_since.get(key, (now, now))
+        if now - last > NEW_OUTAGE_AFTER_S:
+            since = now  # not tried there since: a new outage, waited for again
+        self._failing_since[key] = (since, now)
         if now - since < self.config.give_up_after_s:
             return False
-        del self._failing_since[key]
         self.stats["given_up"] += 1
         log.error("trainmon notify: gave up on %s after %.0f s of failures", what, now - since)
         return True
