@@ -284,3 +284,22 @@ def test_a_failed_run_of_thousands_of_ranks_makes_an_alert_kafka_can_take():
     [fired] = failed_run_alerts(8192)
     assert fired.state == "firing"
     assert len(encode(fired)) < 1_000_000, f"{len(encode(fired)):,} bytes"
+
+
+def test_the_publishers_memory_of_sent_alerts_keeps_the_recent_ones_only():
+    """What stops the publisher sending an alert twice is bounded: the engine makes an
+    alert again only while replaying its last minute or so, and a set of every id ever
+    published grew for as long as the service ran."""
+    from trainmon.consumers.alerts.alert_topic import RecentIds
+
+    ids = RecentIds(size=3)
+    for one in ("a", "b", "c"):
+        ids.add(one)
+    ids.add("a")  # seen again: the most recent now
+    ids.add("d")  # "b" is the oldest: dropped
+    assert [e in ids for e in "abcd"] == [True, False, True, True]
+    assert len(ids) == 3
+    many = RecentIds()
+    for n in range(250_000):
+        many.add(f"run/rule/rank{n}#1/firing")
+    assert len(many) == 100_000 and "run/rule/rank249999#1/firing" in many

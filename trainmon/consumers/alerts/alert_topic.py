@@ -16,12 +16,35 @@ from ..runtime import RetriableError
 log = logging.getLogger("trainmon.alerts")
 
 
+class RecentIds:
+    """A set of the last ``size`` ids added (oldest dropped first). The engine makes an
+    alert again only while it replays the records since its last checkpoint (a minute or
+    so), so the ids of recent alerts are all that stop a second send; a set of every id
+    ever published grew for as long as the service ran."""
+
+    def __init__(self, size: int = 100_000):
+        self.size = size
+        self._ids: dict[str, None] = {}  # (a dict keeps the order ids came in)
+
+    def add(self, event_id: str) -> None:
+        self._ids.pop(event_id, None)
+        self._ids[event_id] = None
+        if len(self._ids) > self.size:
+            del self._ids[next(iter(self._ids))]
+
+    def __contains__(self, event_id: object) -> bool:
+        return event_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+
 class AlertPublisher:
     """Publishes alerts durably, once: an event id already on the topic is not sent again."""
 
     def __init__(self, topic: str, env: dict | None = None):
         self.topic = topic
-        self.published: set[str] = set()
+        self.published = RecentIds()
         self.sent = 0
         self._inflight: dict[str, tuple[AlertRecord, object]] = {}  # event id -> (alert, delivery)
         self._producer = Producer(env=env, durable=True)
