@@ -75,3 +75,26 @@ def test_a_fork_that_fails_writes_the_checkpoint_in_the_caller(tmp_path, monkeyp
     assert writer.pid is None and (writer.written, writer.failed) == (1, 0)
     assert checkpoint.load(tmp_path / "c.json.gz").engine == {"step": 3}
     assert "cannot fork a checkpoint writer" in caplog.text
+
+
+def test_a_checkpoint_due_while_the_last_write_still_runs_does_not_make_the_runtime_spin(tmp_path):
+    """A checkpoint that falls due while the forked writer still writes the last one (at
+    16,384 ranks a write can outlast the interval) is looked at again shortly: answering
+    "flush now" at every poll made the runtime poll(0) and flush in a loop, a core spun
+    for as long as the write ran."""
+    from trainmon.consumers.alerts.service import WRITER_BUSY_RECHECK_S
+
+    from .alerts_support import make_service, service_env
+
+    class Writer:
+        running = True
+
+        def busy(self):
+            return self.running
+
+    service = make_service(service_env("127.0.0.1:9"), "spin.", tmp_path)
+    service._writer = writer = Writer()
+    service._checkpoint_at = 0.0  # due
+    assert service.flush_in_s() == WRITER_BUSY_RECHECK_S > 0
+    writer.running = False
+    assert service.flush_in_s() == 0.0  # the write done: the checkpoint goes now

@@ -43,6 +43,7 @@ from .ownership import Ownership
 
 log = logging.getLogger("trainmon.alerts")
 CHECKPOINT_COST_FACTOR = 10  # checkpoints at least this many times their write apart
+WRITER_BUSY_RECHECK_S = 0.2  # a due checkpoint waiting for the write before it: looked at again
 
 
 class AlertService(runtime.Sink):
@@ -174,8 +175,12 @@ class AlertService(runtime.Sink):
 
     def flush_in_s(self) -> float | None:
         # A checkpoint falling due counts as something to flush; a poll waits poll_s at most.
-        if self._put_since_flush or self._unpublished or time.monotonic() >= self._checkpoint_at:
+        if self._put_since_flush or self._unpublished:
             return 0.0
+        if time.monotonic() >= self._checkpoint_at:
+            # Due, but the last write still runs (one of 16,384 ranks' state can outlast the
+            # interval): look again shortly, not at once in a loop that spins a core.
+            return WRITER_BUSY_RECHECK_S if self._writer.busy() else 0.0
         return None
 
     def flush(self) -> None:
