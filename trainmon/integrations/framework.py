@@ -9,7 +9,7 @@ import logging
 import math
 from typing import Any
 
-from ..producer import Producer
+from ..producer import Producer, ProducerConfig
 
 log = logging.getLogger("trainmon.integrations")
 
@@ -18,6 +18,9 @@ class ProducerOwner:
     """Mixed into each framework's callback class (which owns ``__init__``)."""
 
     def _use_producer(self, producer: Producer | None, settings: dict[str, Any]) -> None:
+        # A misspelt setting fails here, where the callback is made (before training), not
+        # at every step behind the guard.
+        ProducerConfig.check_settings(settings)
         self._producer = producer
         self._own = producer is None
         self._settings = settings

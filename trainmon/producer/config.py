@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from .. import topics
@@ -21,9 +22,11 @@ def _flag(value: str | None) -> bool:
 
 def _seconds(value: str | None, default: float) -> float:
     try:
-        return float(value) if value else default
+        seconds = float(value) if value else default
     except ValueError:
         return default
+    # inf / nan: no interval (an Event.wait(inf) raises, and int(inf) for the pack window)
+    return seconds if math.isfinite(seconds) else default
 
 
 def default_run_id(env) -> str:
@@ -116,6 +119,14 @@ class ProducerConfig:
     health_interval_s: float = 60.0
 
     @classmethod
+    def check_settings(cls, settings) -> None:
+        """TypeError naming any of ``settings`` (names) that is not a field here: a
+        misspelt one would otherwise be ignored, its default used in its place."""
+        unknown = sorted(set(settings) - {f.name for f in fields(cls)})
+        if unknown:
+            raise TypeError(f"unknown producer setting(s): {', '.join(unknown)}")
+
+    @classmethod
     def from_env(cls, env=None, **overrides) -> "ProducerConfig":
         env = os.environ if env is None else env
         spill_dir = env.get("TRAINMON_SPILL_DIR")
@@ -142,6 +153,7 @@ class ProducerConfig:
         )
         if spill_dir:
             cfg.spill_dir = Path(spill_dir)
+        cls.check_settings(overrides)
         for key, value in overrides.items():
             setattr(cfg, key, value)
         return cfg

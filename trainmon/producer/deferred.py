@@ -294,6 +294,11 @@ def _checked_map(field: str, value, number: type, validators: tuple, names: list
     for key, item in value.items():
         if type(key) is not str:
             return False
+        if not key.isascii():
+            try:
+                key.encode()
+            except UnicodeEncodeError:  # a lone surrogate: to_json refuses what pydantic writes
+                return False
         if type(item) is not number:
             if not (type(item) is int and number is float and -_EXACT_FLOAT_INT <= item <= _EXACT_FLOAT_INT):
                 return False

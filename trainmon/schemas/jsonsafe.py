@@ -37,8 +37,10 @@ def json_safe(value: Any, *, max_depth: int = MAX_DEPTH) -> Any:
 
 
 def _safe(value: Any, path: set[int], depth: int) -> Any:
-    if value is None or isinstance(value, (bool, str)):
+    if value is None or isinstance(value, bool):
         return value
+    if isinstance(value, str):
+        return _utf8(value)
     if isinstance(value, numbers.Integral):  # int subclasses, numpy integers
         try:
             return int(value)
@@ -70,9 +72,22 @@ def _safe(value: Any, path: set[int], depth: int) -> Any:
     return _text(value)
 
 
+def _utf8(text: str) -> str:
+    """``text``, or where it holds lone surrogates (bytes that were not UTF-8, decoded with
+    surrogateescape: a path from sys.argv or os.listdir), the same with each such byte as
+    U+FFFD: JSON cannot hold a lone surrogate, and the record would be lost."""
+    if text.isascii():
+        return text
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+    return text
+
+
 def _key(key: Any) -> str:
     if isinstance(key, str):
-        return key
+        return _utf8(key)
     if key is None or isinstance(key, (bool, int, float)):
         return "null" if key is None else str(key).lower() if isinstance(key, bool) else str(key)
     return _text(key)
@@ -83,7 +98,7 @@ def _text(value: Any) -> str:
         try:
             text = render(value)
             if isinstance(text, str):
-                return text if len(text) <= _MAX_TEXT else text[:_MAX_TEXT] + "..."
+                return _utf8(text if len(text) <= _MAX_TEXT else text[:_MAX_TEXT] + "...")
         except Exception:  # noqa: BLE001 -- a broken __str__ must not cost the record
             continue
     return f"<{type(value).__name__}>"

@@ -34,6 +34,20 @@ def _not_negative(value: float) -> float:
 NonNegativeOrNonFinite = Annotated[float, AfterValidator(_not_negative)]
 
 
+def _bounded_or_nan(low: float, high: float) -> AfterValidator:
+    """Bounds a float that NaN passes (a ratio of nothing: 0 / 0), like NonNegativeOrNonFinite:
+    ``Field(ge=.., le=..)`` would refuse NaN and with it the whole record."""
+    def check(value: float) -> float:
+        if not low <= value <= high and value == value:
+            raise ValueError(f"must be between {low} and {high} (NaN is kept as data)")
+        return value
+    return AfterValidator(check)
+
+
+Fraction = Annotated[float, _bounded_or_nan(0.0, 1.0)]  # 0..1, or NaN
+Imbalance = Annotated[float, _bounded_or_nan(1.0, math.inf)]  # >= 1, or NaN
+
+
 def _to_the_microsecond(value: float) -> float:
     # A duration is kept to the microsecond, the resolution of every record's time. The
     # digits past it are timer noise (``(time.time() - t0) * 1000`` has 17 of them), and
@@ -158,8 +172,8 @@ class MoeRecord(Record):
     # Logs print some of these and not others (Megatron: the load-balancing loss alone).
     aux_loss: Optional[float] = None
     z_loss: Optional[float] = None
-    expert_utilization: Optional[float] = Field(default=None, ge=0, le=1)  # fraction of experts that got tokens
-    load_imbalance: Optional[float] = Field(default=None, ge=1)  # max expert load / mean expert load
+    expert_utilization: Optional[Fraction] = None  # fraction of experts that got tokens
+    load_imbalance: Optional[Imbalance] = None  # max expert load / mean expert load
     layer_aux_loss: Optional[list[float]] = None
     layer_z_loss: Optional[list[float]] = None
     layer_utilization: Optional[list[float]] = None
@@ -385,7 +399,8 @@ class LogEventRecord(Record):
     source: str  # "nccl", "cuda", "python", "torch", "xid"
     signature: str = Field(max_length=500)
     text: str = Field(max_length=2000)  # the first occurrence, cut
-    count: Count = Field(ge=1)  # occurrences on this rank so far
+    # (its own bounds: Count's ge=0 would come after a Field(ge=1) here and win)
+    count: Annotated[int, Field(ge=1, le=INT64_MAX)]  # occurrences on this rank so far
     first_step: Optional[Count] = None  # the last step logged before the first occurrence
     last_step: Optional[Count] = None  # ... before the latest occurrence
 
