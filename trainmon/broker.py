@@ -208,6 +208,18 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def _started_with(pid: int, properties: Path) -> bool:
+    """Whether process ``pid`` is a broker started with these properties (its command line
+    names them): after a reboot, the pid in broker.json may be another program's."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            return str(properties).encode() in cmdline.read()
+    except FileNotFoundError:
+        return False  # (gone meanwhile)
+    except OSError:
+        return True  # no /proc to tell by: the pid alone
+
+
 @dataclass
 class Broker:
     """One broker process whose state (ports, pid) lives in ``data_dir/broker.json``."""
@@ -377,6 +389,18 @@ class Broker:
 
     def start(self, timeout: float = 60.0, wait: bool = True) -> "Broker":
         if self.running():
+            return self
+        running = self.pid()
+        if running is not None and _started_with(running, self.data_dir / "server.properties"):
+            # A JVM of this data directory is there already (still starting, or on another
+            # port than asked): a second one would fail on the log directory's lock after
+            # overwriting broker.json, and the running one could no longer be stopped.
+            port = self._read_state().get("port")
+            if port != self.port:
+                raise RuntimeError(f"a Kafka broker of {self.data_dir} already runs (pid {running}) on port "
+                                   f"{port}, not {self.port}: stop it first, or start it without another port")
+            if wait:
+                self.wait_ready(timeout)
             return self
         self.data_dir.mkdir(parents=True, exist_ok=True)
         props = self._write_properties()

@@ -145,11 +145,14 @@ class Supervisor:
         except OSError as exc:  # (a full disk: the services matter more)
             self._say(f"cannot write the Prometheus targets: {exc!r}")
         while not self.stop.is_set():
-            try:
-                for child in self.children:
+            for child in self.children:
+                try:
                     self._watch(child)
+                except Exception as exc:  # a full disk, a vanished directory: keep supervising
+                    self._say(f"{child.service.name}: {exc!r}")
+            try:
                 self._write_status()
-            except Exception as exc:  # a full disk, a vanished directory: keep supervising
+            except Exception as exc:  # (the same)
                 self._say(f"{exc!r}")
             self.stop.wait(0.2)
         self._stop_children()
@@ -194,14 +197,22 @@ class Supervisor:
         if child.started_at:
             child.restarts += 1
             self._say(f"restarting {name} (restart {child.restarts})")
-        with open(self.stack / f"{name}.log", "ab") as log:
-            # A supervisor killed with -9 takes its services along: each is sent SIGTERM
-            # (it writes and commits what it holds, as at `down`), none is left running
-            # unsupervised. The parent-death signal follows the forking thread: this loop
-            # runs on the supervisor's main thread, which lives as long as it does.
-            child.proc = subprocess.Popen(child.service.command, env={**self.env, **child.service.env},
-                                          stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          preexec_fn=end_with_parent(signal.SIGTERM))
+        try:
+            with open(self.stack / f"{name}.log", "ab") as log:
+                # A supervisor killed with -9 takes its services along: each is sent SIGTERM
+                # (it writes and commits what it holds, as at `down`), none is left running
+                # unsupervised. The parent-death signal follows the forking thread: this loop
+                # runs on the supervisor's main thread, which lives as long as it does.
+                child.proc = subprocess.Popen(child.service.command, env={**self.env, **child.service.env},
+                                              stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                              preexec_fn=end_with_parent(signal.SIGTERM))
+        except (OSError, subprocess.SubprocessError) as exc:
+            # Its program is not there (a UI not installed ...): tried again with backoff, like
+            # a service that exits, while the others run and status.json is kept.
+            child.started_at = child.started_at or now
+            child.next_start = now + child.backoff.next()
+            self._say(f"cannot start {name} ({exc}); trying again in {child.next_start - now:.0f} s")
+            return
         child.pid, child.started_at, child.since = child.proc.pid, now, time.time()
 
     def _write_scrape_targets(self) -> None:
