@@ -277,16 +277,19 @@ def test_kafka_setup_grants_what_the_embedded_stack_grants():
     assert "SCRAM-SHA-512=[iterations=8192,password=$password]" in script
     grants = re.findall(r"--add --allow-principal User:(\w+) (.*)", script)
     acl_of = {(user, " ".join(sorted(re.findall(r"--operation (\w+)", rest))),
-               "cluster" if "--cluster" in rest else "group *" if "--group '*'" in rest else "topics")
+               "cluster" if "--cluster" in rest else "group *" if "--group '*'" in rest
+               else "dead letters" if "deadletter" in rest else "topics")
               for user, rest in grants}
     assert acl_of == {("writer", "Describe Write", "topics"), ("writer", "IdempotentWrite", "cluster"),
-                      ("reader", "Describe Read", "topics"), ("reader", "Describe Read", "group *")}
+                      ("reader", "Describe Read", "topics"), ("reader", "Describe Read", "group *"),
+                      ("reader", "Write", "dead letters")}
     assert "--resource-pattern-type prefixed" in script
     acls = (REPO / "trainmon" / "kafka_client" / "acls.py").read_text()
     for user, operations, resource in [("writer", "WRITE, AclOperation.DESCRIBE", "topics"),
                                        ("writer", "IDEMPOTENT_WRITE", "ResourceType.BROKER"),
                                        ("reader", "READ, AclOperation.DESCRIBE", "topics"),
-                                       ("reader", "READ, AclOperation.DESCRIBE", "ResourceType.GROUP")]:
+                                       ("reader", "READ, AclOperation.DESCRIBE", "ResourceType.GROUP"),
+                                       ("reader", "WRITE", "topics, f\"{topic_prefix}{DEADLETTER}\"")]:
         assert re.search(rf'allow\("{user}", {resource}.*AclOperation\.{operations}\)', acls), (user, resource)
 
 

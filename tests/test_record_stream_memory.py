@@ -61,3 +61,38 @@ def test_any_exception_while_decoding_dead_letters_that_record_only(monkeypatch)
     assert [m.record.step for m in got] == [0, 2]
     [letter] = [json.loads(v) for v in broker.values(topics.topic_for(topics.DEADLETTER, PREFIX))]
     assert letter["index"] == 1 and "RuntimeError: boom" in letter["error"]
+
+
+def test_a_dead_letter_kafka_refuses_is_sent_again_and_nothing_is_committed_past_it():
+    """Answered is not stored: a dead letter Kafka refuses (a login without write access
+    to the topic) made the flush before the commit return all the same, and the record's
+    offset was committed with no dead letter anywhere."""
+    from trainmon.kafka_client import KafkaError
+    from trainmon.kafka_client.memory_consumer import MemoryProducer, committed_offsets
+    from trainmon.kafka_client.producer import Delivery
+
+    class RefusingOnce(MemoryProducer):
+        refusals = 1
+
+        def send(self, topic, value, key=None, **kwargs):
+            if self.refusals:
+                self.refusals -= 1
+                return Delivery(done=True, error="Broker: Topic authorization failed")
+            return super().send(topic, value, key, **kwargs)
+
+    broker = MemoryBroker()
+    broker.append(STEP, b"k", b'{"not": "a step"}')
+    stream = MemoryRecordStream(broker, "refused", ["step"], topic_prefix=PREFIX)
+    stream._dead_letter_producer = lambda: RefusingOnce(broker)
+    assert stream.poll(timeout_ms=100) == [] and stream.dead_letters == 1
+    dead = topics.topic_for(topics.DEADLETTER, PREFIX)
+    try:
+        stream.commit_polled()
+        raise AssertionError("committed past a dead letter Kafka refused")
+    except KafkaError as exc:
+        assert exc.retriable and "authorization" in str(exc)
+    assert committed_offsets(broker, "refused") == {}
+    stream.commit_polled()  # the runtime's retry: the letter sent again is in Kafka, then the commit
+    assert len(broker.values(dead)) == 1
+    assert list(committed_offsets(broker, "refused").values()) == [1]
+    stream.close()

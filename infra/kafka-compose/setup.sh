@@ -3,7 +3,8 @@
 # step is idempotent): the SCRAM users of the EXTERNAL listener and their ACLs, the same
 # as `trainmon up --listen` grants (trainmon/kafka_client/acls.py):
 #   writer  (training jobs)      write + describe the record topics, idempotent produce; nothing else
-#   reader  (consumers elsewhere) read + describe the record topics, any consumer group; no writes
+#   reader  (consumers elsewhere) read + describe the record topics, any consumer group; write
+#                                 only its dead letters (${TOPIC_PREFIX}deadletter)
 # admin is the brokers' own login and the only super user (the compose consumers use it).
 # With StandardAuthorizer and allow.everyone.if.no.acl.found=false, nobody else may
 # describe, read or write anything.
@@ -21,4 +22,5 @@ $bin/kafka-acls.sh $kafka --add --allow-principal User:writer --operation Write 
 $bin/kafka-acls.sh $kafka --add --allow-principal User:writer --operation IdempotentWrite --cluster
 $bin/kafka-acls.sh $kafka --add --allow-principal User:reader --operation Read --operation Describe $topics
 $bin/kafka-acls.sh $kafka --add --allow-principal User:reader --operation Read --operation Describe --group '*'
+$bin/kafka-acls.sh $kafka --add --allow-principal User:reader --operation Write --topic "${TOPIC_PREFIX}deadletter"
 echo "kafka-setup: users writer and reader, and their ACLs on ${TOPIC_PREFIX}*"

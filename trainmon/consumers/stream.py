@@ -77,6 +77,8 @@ class RecordStream:
         self.polled_by_kind: dict[str, int] = {}  # the last poll's records handed out, per kind (same)
         self._env = env
         self._dlq: Producer | None = None
+        # Dead letters sent since the last settle_dead_letters: (value, key, its delivery).
+        self._unconfirmed: list[tuple[bytes, bytes | None, object]] = []
         # Start from the most a message can pack: a first poll too small, never too big.
         self._records_per_message = float(MAX_RECORDS_PER_MESSAGE)
         self.topic_names = [topics.topic_for(k, self.prefix) for k in self.kinds]
@@ -228,11 +230,11 @@ class RecordStream:
         if len(message.value or b"") > self.DEAD_LETTER_VALUE_BYTES:
             body["value_bytes"] = len(message.value)  # the rest stays in Kafka, at its offset
             body["value_truncated"] = True
-        delivery = self._dlq.send(topics.topic_for(topics.DEADLETTER, self.prefix), json.dumps(body).encode(),
-                                  key=message.key)
-        if delivery.failed:
-            log.error("trainmon: dead letter of %s[%d]@%d#%d refused by the producer: %s", message.topic,
-                      message.partition, message.offset, message.index, delivery.error)
+        self._send_dead_letter(json.dumps(body).encode(), message.key)
+
+    def _send_dead_letter(self, value: bytes, key: bytes | None) -> None:
+        delivery = self._dlq.send(topics.topic_for(topics.DEADLETTER, self.prefix), value, key=key)
+        self._unconfirmed.append((value, key, delivery))
 
     def positions(self) -> dict[TopicPartition, int]:
         """Where each assigned partition has been read up to (its next offset)."""
@@ -251,8 +253,19 @@ class RecordStream:
         """Return once every dead letter sent so far is in Kafka (KafkaError, retriable,
         after DEAD_LETTERS_WAIT_S): before their offsets are committed, or before anything a sink resumes
         from (the loader's rows) moves past them."""
-        if self._dlq is not None and not self._dlq.flush(self.DEAD_LETTERS_WAIT_S):
+        if self._dlq is None:
+            return
+        if not self._dlq.flush(self.DEAD_LETTERS_WAIT_S):
             raise KafkaError(f"dead letters not acknowledged by Kafka within {self.DEAD_LETTERS_WAIT_S:g} s",
+                             retriable=True)
+        # Answered is not stored: one Kafka refused (a login not allowed to write the topic)
+        # is sent again, and nothing moves past it until it lands.
+        refused = [(value, key, delivery.error) for value, key, delivery in self._unconfirmed if delivery.failed]
+        self._unconfirmed = []
+        if refused:
+            for value, key, _ in refused:
+                self._send_dead_letter(value, key)
+            raise KafkaError(f"{len(refused)} dead letter(s) refused by Kafka ({refused[0][2]}); sent again",
                              retriable=True)
 
     def close(self) -> None:

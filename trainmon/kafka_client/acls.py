@@ -6,11 +6,12 @@ without an ACL, except to the super user (``admin``, the stack itself). These gi
 - ``writer`` (training jobs): write and describe the topics under the stack's prefix,
   and the idempotent producer's cluster permission; nothing to read, no group;
 - ``reader`` (consumers run elsewhere): read and describe those topics, and use any
-  consumer group; nothing to write.
+  consumer group; write only its dead letters (``<prefix>deadletter``).
 """
 
 from __future__ import annotations
 
+from ..topics import DEADLETTER
 from . import settings
 from .errors import KafkaError
 
@@ -29,6 +30,9 @@ def grant_stack_acls(topic_prefix: str, *, env: dict, bootstrap: str, timeout_s:
         *allow("writer", topics, topic_prefix, prefixed, AclOperation.WRITE, AclOperation.DESCRIBE),
         *allow("writer", ResourceType.BROKER, "kafka-cluster", literal, AclOperation.IDEMPOTENT_WRITE),
         *allow("reader", topics, topic_prefix, prefixed, AclOperation.READ, AclOperation.DESCRIBE),
+        # A consumer elsewhere dead-letters what it cannot decode: refused, the dead letter
+        # was lost and the record's offset committed all the same.
+        *allow("reader", topics, f"{topic_prefix}{DEADLETTER}", literal, AclOperation.WRITE),
         *allow("reader", ResourceType.GROUP, "*", literal, AclOperation.READ, AclOperation.DESCRIBE),
     ]
     admin = AdminClient(settings.librdkafka(env, bootstrap))
