@@ -188,3 +188,16 @@ for row in client.query("SELECT run_id, step, event_id, loss FROM trainmon.step 
     print(",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in row))
 sys.exit(code)
 """
+
+
+@pytest.mark.parametrize("name", ["TRAINMON_TOPIC_RETENTION_HOURS", "TRAINMON_TOPIC_RETENTION_BYTES"])
+@pytest.mark.parametrize("value", ["inf", "nan", "Infinity"])
+def test_a_retention_that_is_no_finite_number_is_refused_naming_the_variable(name, value):
+    """float() takes "inf" and "nan" (natural guesses for "keep forever"): they passed the
+    check and crashed later with OverflowError / "cannot convert float NaN to integer",
+    naming no variable -- at `trainmon up` (the broker's properties) or at every start of
+    a consumer service creating its topics (a restart loop)."""
+    from trainmon.topics import topic_config
+
+    with pytest.raises(ValueError, match=name):
+        topic_config("step", {name: value})

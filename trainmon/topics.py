@@ -3,6 +3,7 @@ log's disk budget: how the broker stores each topic and how long it keeps it."""
 
 from __future__ import annotations
 
+import math
 import os
 
 from .schemas import RECORD_TYPES
@@ -83,6 +84,8 @@ def _number(env: dict, name: str, default: float) -> float:
         value = float(text)
     except ValueError:
         raise ValueError(f"{name}={text!r} is not a number (-1 keeps everything)") from None
+    if not math.isfinite(value):  # (float() takes "inf" and "nan")
+        raise ValueError(f"{name}={text!r} is not a finite number (-1 keeps everything)")
     if value != -1 and value <= 0:
         raise ValueError(f"{name}={text!r}: give a positive number, or -1 to keep everything")
     return value
