@@ -95,6 +95,10 @@ class ProgressStore:
             self._cache[run_id] = progress
         return progress
 
+    def forget(self, run_id: str) -> None:
+        """Let go of a run's cached progress (its file keeps it; ``get`` reads it again)."""
+        self._cache.pop(run_id, None)
+
     def save(self, progress: RunProgress) -> None:
         path = self._path(progress.run_id)
         tmp = path.with_suffix(".json.tmp")
@@ -263,7 +267,11 @@ class ForwardingSink(runtime.Sink):
         self._batch: list[Message] = []
         self._held = 0  # the batch's first records: those of runs waiting for their start
         self._waiting: dict[str, float] = {}  # run id -> until when its points wait
+        self._seen: dict[str, float] = {}  # run id -> when a batch last had its records
         self._first_at = 0.0  # when the first record after the held ones came
+        # A batch the tracker made durable whose progress is not saved yet (a failed save):
+        # (written works, ready works, waiting runs, its number of messages).
+        self._durable: tuple[list[RunWork], list[RunWork], set[str], int] | None = None
 
     def put(self, messages: list[Message]) -> None:
         if len(self._batch) == self._held:
@@ -286,32 +294,50 @@ class ForwardingSink(runtime.Sink):
 
     def tick(self) -> None:
         self.target.close_idle(self.idle_close_seconds)
+        # The progress of a run idle that long goes too (memory would grow with every run
+        # the forwarder ever served); it is read from its file if the run comes back.
+        now = time.monotonic()
+        for run_id in [r for r, seen in self._seen.items() if now - seen > self.idle_close_seconds]:
+            del self._seen[run_id]
+            self.store.forget(run_id)
 
     def flush(self) -> None:
-        if not self._batch:
-            return
-        works = plan(self._batch, self.store)
-        waiting = self._waiting_for_start(works)
-        ready = [work for run_id, work in works.items() if run_id not in waiting]
-        written = [work for work in ready if not work.empty]
-        started = time.monotonic()
+        if self._durable is None:  # (else: a batch the tracker has, whose progress failed to save)
+            if not self._batch:
+                return
+            works = plan(self._batch, self.store)
+            waiting = self._waiting_for_start(works)
+            ready = [work for run_id, work in works.items() if run_id not in waiting]
+            written = [work for work in ready if not work.empty]
+            started = time.monotonic()
+            try:
+                for work in written:
+                    self.target.write(work)
+                self.target.flush()
+            except Exception as exc:  # disk full, a locked run ...: the same batch later
+                self.stats.retries += 1
+                log.exception("trainmon: %s failed to write a batch", self.name)
+                raise runtime.RetriableError(f"{type(exc).__name__}: {exc}") from exc
+            finally:
+                self.stats.seconds_in_sink += time.monotonic() - started
+            self._durable = (written, ready, waiting, len(self._batch))
+        written, ready, waiting, planned = self._durable
         try:
-            for work in written:
-                self.target.write(work)
-            self.target.flush()
-        except Exception as exc:  # disk full, a locked run ...: the same batch later
+            for work in written:  # (again, after a failure: a save is idempotent)
+                self.store.save(work.progress)
+        except OSError as exc:  # the disk the tracker's files share: saved on the retry, not sent again
             self.stats.retries += 1
-            log.exception("trainmon: %s failed to write a batch", self.name)
-            raise runtime.RetriableError(f"{type(exc).__name__}: {exc}") from exc
-        finally:
-            self.stats.seconds_in_sink += time.monotonic() - started
-        for work in written:
-            self.store.save(work.progress)
-        held = [m for m in self._batch if m.record.run_id in waiting] if waiting else []
+            log.exception("trainmon: %s failed to save its progress", self.name)
+            raise runtime.RetriableError(f"progress: {type(exc).__name__}: {exc}") from exc
+        self._durable = None
+        now = time.monotonic()
+        for run_id in (*(work.run_id for work in ready), *waiting):
+            self._seen[run_id] = now
+        held = [m for m in self._batch[:planned] if m.record.run_id in waiting] if waiting else []
         self.stats.batches += 1
-        self.stats.records += len(self._batch) - len(held)
+        self.stats.records += planned - len(held)
         self.stats.skipped += sum(work.skipped for work in ready)
-        self._batch, self._held = held, len(held)
+        self._batch, self._held = held + self._batch[planned:], len(held)
 
     def pre_commit(self, positions: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
         """Up to each partition's first held record; all of it where none is held."""

@@ -43,6 +43,7 @@ class TensorBoardSink:
         self._max_queue_size = max_queue_size
         self._writers: dict[tuple[str, int], _Writer] = {}
         self._dirty: set[tuple[str, int]] = set()
+        self._ending: set[tuple[str, int]] = set()  # writers of runs that ended: closed at flush
 
     def run_dir(self, run_id: str, rank: int = 0) -> Path:
         base = self.logdir / safe_name(run_id)
@@ -59,6 +60,25 @@ class TensorBoardSink:
         return writer
 
     def write(self, work: RunWork) -> None:
+        try:
+            self._write(work)
+        except BaseException:
+            self._roll_back()
+            raise
+
+    def _roll_back(self) -> None:
+        """After a failed write or flush (a full disk): tensorboard's writer thread dies at
+        its first failed write and raises that error from then on, so the writers written
+        since their last flush are dropped, their files cut back to what was flushed (the
+        runtime retries the whole batch, into new files: nothing twice, nothing lost)."""
+        for key in list(self._dirty):
+            writer = self._writers.pop(key, None)
+            if writer is not None:
+                writer.abandon()
+        self._dirty.clear()
+        self._ending.clear()
+
+    def _write(self, work: RunWork) -> None:
         event_pb2, summary_pb2, _, _ = self._pb
         if work.config is not None:
             self._writer(work.run_id, 0).add(event_pb2.Event(
@@ -70,9 +90,8 @@ class TensorBoardSink:
                 self._writer(work.run_id, record.rank).add(event_pb2.Event(
                     wall_time=record.time.timestamp(), step=record.step,
                     summary=summary_pb2.Summary(value=values)))
-        if work.ended is not None:
-            for key in [k for k in self._writers if k[0] == work.run_id]:
-                self._close(key)
+        if work.ended is not None:  # closed once flushed: a failed batch is written again
+            self._ending.update(k for k in self._writers if k[0] == work.run_id)
 
     def _config_summary(self, config: dict):
         _, summary_pb2, tensor_pb2, tensor_shape_pb2 = self._pb
@@ -86,11 +105,19 @@ class TensorBoardSink:
                                                                     tensor=tensor)])
 
     def flush(self) -> None:
-        for key in self._dirty:
-            writer = self._writers.get(key)
-            if writer is not None:
-                writer.flush()
+        try:
+            for key in self._dirty:
+                writer = self._writers.get(key)
+                if writer is not None:
+                    writer.flush()
+        except BaseException:
+            self._roll_back()
+            raise
         self._dirty.clear()
+        for key in self._ending:
+            if key in self._writers:
+                self._close(key)
+        self._ending.clear()
 
     def close_idle(self, idle_seconds: float) -> None:
         now = time.monotonic()
@@ -99,8 +126,13 @@ class TensorBoardSink:
 
     def _close(self, key) -> None:
         writer = self._writers.pop(key)
-        writer.close()
-        self._dirty.discard(key)
+        try:
+            writer.close()
+        except BaseException:
+            writer.abandon()
+            raise
+        finally:
+            self._dirty.discard(key)
 
     def close(self) -> None:
         for key in list(self._writers):
@@ -116,6 +148,7 @@ class _Writer:
                                          flush_secs=3600, filename_suffix=suffix)
         # The writer names its file itself; find it by the suffix to fsync it.
         self.path = glob.glob(os.path.join(glob.escape(str(directory)), f"events.out.tfevents.*{suffix}"))[0]
+        self.durable = os.path.getsize(self.path)  # the file's bytes as of its last flush
         self.last_used = time.monotonic()
 
     def add(self, event) -> None:
@@ -126,12 +159,25 @@ class _Writer:
         fd = os.open(self.path, os.O_RDONLY)
         try:
             os.fsync(fd)
+            self.durable = os.fstat(fd).st_size
         finally:
             os.close(fd)
 
     def close(self) -> None:
         self.flush()
         self._writer.close()
+
+    def abandon(self) -> None:
+        """Stop the writer (whatever state its thread is in) and cut its file back to what
+        its last flush made durable."""
+        try:
+            self._writer.close()
+        except Exception:  # noqa: BLE001 -- its thread died of this error already
+            pass
+        try:
+            os.truncate(self.path, self.durable)
+        except OSError:
+            pass
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,7 +64,7 @@ class WandbSink:
         self.barrier_timeout = barrier_timeout
         self._runs: dict[str, list] = {}  # run_id -> [wandb Run, last used]
         self._dirty: set[str] = set()
-        self._last_pie: dict[tuple[str, int], list] = {}
+        self._last_pie: dict[str, dict[int, list]] = {}  # run_id -> rank -> last breakdown
 
     def _settings(self):
         return self._wandb.Settings(console="off", silent=True, x_disable_stats=True, disable_git=True,
@@ -112,9 +112,10 @@ class WandbSink:
     def _add_pie(self, run_id: str, record: AllocatorRecord, row: dict) -> None:
         """A pie chart of the breakdown, when it changed since the last one of this rank."""
         breakdown = allocator_breakdown(record)
-        if not breakdown or self._last_pie.get((run_id, record.rank)) == breakdown:
+        last = self._last_pie.setdefault(run_id, {})
+        if not breakdown or last.get(record.rank) == breakdown:
             return
-        self._last_pie[(run_id, record.rank)] = breakdown
+        last[record.rank] = breakdown
         key = "allocator/breakdown" if record.rank == 0 else f"rank{record.rank}/allocator/breakdown"
         row[key] = pie_chart(self._wandb, breakdown, f"GPU allocations, rank {record.rank}, step {record.step}")
 
@@ -145,6 +146,7 @@ class WandbSink:
     def _finish(self, run_id: str) -> None:
         entry = self._runs.pop(run_id, None)
         self._dirty.discard(run_id)
+        self._last_pie.pop(run_id, None)
         if entry is not None:
             entry[0].finish(exit_code=entry[2] or 0)  # waits until the run's data is written
 
