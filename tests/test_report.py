@@ -83,3 +83,55 @@ def test_headless_chromium_draws_every_plot(report, tmp_path):
     assert seen["headings"][1:4] == ["Alerts that fired", "Loss, grad norm and learning rate, with alerts",
                                     "Throughput and step time per rank"]
     assert {"Checkpoints and their disk", "Warnings and errors in the logs", "GPUs (NVML)"} <= set(seen["headings"])
+
+
+REPORT_LOAD = """
+import math, sys
+from datetime import datetime, timedelta, timezone
+from trainmon.schemas import CheckpointRecord, EvalRecord, MoeRecord, RunRecord, StepRecord
+from trainmon.consumers.clickhouse import Target, connect, create_all, insert_records
+t0, ids = datetime(2026, 3, 1, 12, tzinfo=timezone.utc), iter(range(10**6))
+def env(s):
+    return dict(run_id="odd-run", rank=0, world_size=1, host="h", time=t0 + timedelta(seconds=s),
+                event_id=f"e{next(ids)}")
+records = [RunRecord(**env(0), event="start", name="odd", project="p")]
+for step in range(4):
+    records.append(StepRecord(**env(step + 1), step=step, loss=2.0 - step / 10))
+    records.append(MoeRecord(**env(step + 1), step=step, aux_loss=math.nan if step == 2 else 0.01))
+    records.append(CheckpointRecord(**env(step + 1), step=step, event="saved", bytes=2**30,
+                                    duration_ms=[1500.0, math.inf, math.nan, 900.0][step]))
+records.append(EvalRecord(**env(9), step=1, loss=2.5))
+records.append(EvalRecord(**env(9), step=3, loss=math.inf))
+client = connect(Target(path=sys.argv[1]))
+create_all(client)
+insert_records(client, records)
+client.close()
+"""
+
+
+def test_the_report_of_a_run_with_non_finite_checkpoint_times_and_losses(tmp_path):
+    """NaN / Inf are data (schemas: a broken timer), and ClickHouse's JSON output (cli.py's
+    OUTPUT_SETTINGS, quote_denormals) gives them as the strings "nan" / "inf": the
+    checkpoint plot divided such a string by 1000 and the report failed; the eval and MoE
+    plots drew the strings as categories."""
+    pytest.importorskip("matplotlib")
+    db = tmp_path / "chdb"
+    subprocess.run([sys.executable, "-c", REPORT_LOAD, str(db)], cwd=REPO, check=True, timeout=180)
+    done = subprocess.run([sys.executable, "-c", """
+import sys
+from pathlib import Path
+import matplotlib.axes
+from trainmon.consumers.clickhouse.client import Target
+from trainmon.report import write_report
+plotted = []
+real_plot = matplotlib.axes.Axes.plot
+def plot(self, *args, **kwargs):
+    plotted.append([v for a in args if isinstance(a, (list, tuple)) for v in a])
+    return real_plot(self, *args, **kwargs)
+matplotlib.axes.Axes.plot = plot
+write_report(Target(path=sys.argv[1]), "odd-run", Path(sys.argv[2]))
+strings = [v for values in plotted for v in values if isinstance(v, str)]
+assert not strings, f"plotted as text: {strings}"
+""", str(db), str(tmp_path / "report.html")], cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-1500:]
+    assert "Checkpoints and their disk" in (tmp_path / "report.html").read_text()

@@ -44,13 +44,19 @@ def _png(fig) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
+def _number(value) -> float:
+    """A value of the query's JSON as a float: NaN / Inf come as the strings "nan", "inf"
+    (OUTPUT_SETTINGS quote them), a NULL (not logged) as None, which becomes NaN: a gap."""
+    return float(value) if value is not None else float("nan")
+
+
 def _by_rank(data: list[dict], value: str) -> dict[int, tuple[list, list]]:
     """rank -> (steps, values); a NULL (not logged) becomes NaN, a gap in the line."""
     series: dict[int, tuple[list, list]] = defaultdict(lambda: ([], []))
     for row in data:
         xs, ys = series[row["rank"]]
         xs.append(row["step"])
-        ys.append(float(row[value]) if row[value] is not None else float("nan"))
+        ys.append(_number(row[value]))
     return series
 
 
@@ -120,7 +126,7 @@ def write_report(target: Target, run_id: str, path: Path) -> Path:
     for name, ax in zip(("loss", "norm", "lr"), axes):
         _plot_by_rank(ax, steps, name, log_scale=name == "norm")
         if name == "loss" and evals:
-            ax.plot([e["step"] for e in evals], [e["loss"] for e in evals], "k^", label="eval loss")
+            ax.plot([e["step"] for e in evals], [_number(e["loss"]) for e in evals], "k^", label="eval loss")
         ax.set_ylabel({"loss": "loss", "norm": "grad norm", "lr": "learning rate"}[name])
         mark_alerts(ax)
     if axes[0].get_legend_handles_labels()[0]:
@@ -146,7 +152,7 @@ def write_report(target: Target, run_id: str, path: Path) -> Path:
         for ax, key, label in zip(axes.flat, ("aux_loss", "z_loss", "utilization", "imbalance"),
                                   ("aux loss (x coeff)", "z-loss", "expert utilization",
                                    "load imbalance (max / mean)")):
-            ax.plot([m["step"] for m in moe], [m[key] for m in moe])
+            ax.plot([m["step"] for m in moe], [_number(m[key]) for m in moe])
             ax.set_title(label, fontsize=9)
         figures.append(("Mixture of experts (mean over ranks; imbalance: worst rank)", _png(fig)))
         plt.close(fig)
@@ -183,7 +189,7 @@ def write_report(target: Target, run_id: str, path: Path) -> Path:
 
     if saves or disk:
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-        axes[0].plot([c["step"] for c in saves], [(c["duration_ms"] or 0) / 1000 for c in saves], "o-")
+        axes[0].plot([c["step"] for c in saves], [_number(c["duration_ms"]) / 1000 for c in saves], "o-")
         axes[0].set_title("checkpoint save time (s)", fontsize=9)
         axes[1].plot([d["step"] for d in disk], [int(d["free_bytes"]) / 2**30 for d in disk])
         axes[1].set_title("checkpoint disk free (GiB)", fontsize=9)
