@@ -16,7 +16,10 @@ from pathlib import Path
 OUT = Path(__file__).resolve().parents[2] / "trainmon" / "grafana" / "dashboards"
 PLUGIN = "grafana-clickhouse-datasource"
 DATASOURCE = {"type": PLUGIN, "uid": "trainmon-clickhouse"}
-RUN = "run_id = '${run_id}'"
+# The run id as a heredoc string ($$...$$): Grafana puts a single-valued variable in as it
+# is, and a run id is any text; in '...' an apostrophe broke the query and a backslash
+# was read as an escape.
+RUN = "run_id = $$${run_id}$$"
 RANKS = "$__conditionalAll(rank IN (${rank:csv}), $rank)"
 # Series name of one GPU of one rank.
 GPU_SERIES = "concat('rank ', toString(rank), ' gpu ', toString(id))"

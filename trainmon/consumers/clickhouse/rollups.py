@@ -13,7 +13,7 @@ draw, aggregated when the rows are inserted:
   rest (2.2 of 5.5 µs per row with 16 ranks and 20 timers, measured); they stay exact in
   the ``step_across_ranks`` view. (A table created by an older version keeps its view and
   those columns: drop ``step_stats_mv`` and the service creates it again at start.)
-- ``rank_latest``: the latest step of every rank (1,024 rows for 1,024 ranks).
+- ``rank_latest``: the step every rank logged last (1,024 rows for 1,024 ranks).
 - ``rank_10s``: per rank and 10-second bucket, step time and tokens/s sums and extremes
   (the step-time heatmap and "which ranks stand out" without touching the step rows).
 
@@ -84,10 +84,17 @@ _STEP_ROWS_10S = ("SELECT *, if(isNaN(duration_ms), NULL, duration_ms) AS ms, "
                   "toStartOfInterval(time, INTERVAL 10 second) AS bucket FROM {db}.step")
 
 # The latest row of a rank, kept whole in a tuple (argMax on lone Nullable columns would
-# skip NULLs and mix steps).
-LATEST_ROW = "(time, loss, duration_ms, tokens_per_second, lr, norm, epoch, host)"
+# skip NULLs and mix steps), its step included. Latest in time (then step): after a restart
+# from a checkpoint the steps start again below the crashed run's last one, and the row
+# the rank logged last is the new run's, not the crashed run's highest step.
+LATEST_ROW = "(time, loss, duration_ms, tokens_per_second, lr, norm, epoch, host, step_number)"
 LATEST_ROW_TYPE = ("Tuple(DateTime64(6, 'UTC'), Nullable(Float64), Nullable(Float64), Nullable(Float64), "
-                   "Nullable(Float64), Nullable(Float64), Nullable(Float64), String)")
+                   "Nullable(Float64), Nullable(Float64), Nullable(Float64), String, Int64)")
+LATEST_BY = "(time, step_number)"
+LATEST_BY_TYPE = "Tuple(DateTime64(6, 'UTC'), Int64)"
+# A query that fails on a rollup table an older version made with columns this one cannot
+# read: schema_setup.create_rollups makes the table again and fills it from the step table.
+PROBES = {"rank_latest": "SELECT finalizeAggregation(latest).9 FROM {db}.rank_latest LIMIT 0"}
 
 RANK_10S_COLUMNS = {
     "duration_ms_sum": ("SimpleAggregateFunction(sum, Float64)", "sum(ifNull(ms, 0))"),
@@ -120,8 +127,8 @@ def rollups(db: str) -> dict[str, tuple[str, str, str]]:
         "rank_latest": _rollup(db, "rank_latest",
                                {"run_id": ("LowCardinality(String)", "run_id"), "rank": ("Int64", "rank")},
                                {"step": ("SimpleAggregateFunction(max, Int64)", "max(step_number)"),
-                                "latest": (f"AggregateFunction(argMax, {LATEST_ROW_TYPE}, Int64)",
-                                           f"argMaxState({LATEST_ROW}, step_number)")},
+                                "latest": (f"AggregateFunction(argMax, {LATEST_ROW_TYPE}, {LATEST_BY_TYPE})",
+                                           f"argMaxState({LATEST_ROW}, {LATEST_BY})")},
                                "SELECT *, step AS step_number FROM {db}.step"),
         "rank_10s": _rollup(db, "rank_10s",
                             {"run_id": ("LowCardinality(String)", "run_id"),

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ...schemas import RECORD_TYPES
 from .ddl import create_table_sql, derived_default, nullable_of, table_fields
-from .rollups import rollups
+from .rollups import PROBES, rollups
 from .settings import settings_sql
 from .goodput import REFRESHED
 from .views import VIEWS
@@ -82,6 +82,11 @@ def create_rollups(client, database: str) -> list[str]:
         existed = bool(client.query("SELECT count() FROM system.tables WHERE database = {db:String} "
                                     "AND name = {t:String}",
                                     parameters={"db": database, "t": name}).result_rows[0][0])
+        if existed and name in PROBES and not _readable(client, PROBES[name].format(db=database)):
+            # made by an older version with columns this one cannot read: made again
+            client.command(f"DROP VIEW IF EXISTS {database}.{name}_mv")
+            client.command(f"DROP TABLE IF EXISTS {database}.{name}")
+            existed = False
         client.command(table)
         apply_table_settings(client, f"{database}.{name}")
         client.command(view)
@@ -89,6 +94,14 @@ def create_rollups(client, database: str) -> list[str]:
             client.command(backfill)
             created.append(name)
     return created
+
+
+def _readable(client, probe: str) -> bool:
+    try:
+        client.query(probe)
+    except Exception:  # noqa: BLE001 - the server's refusal: the columns are not this version's
+        return False
+    return True
 
 
 def drop_views(client, database: str) -> None:

@@ -20,7 +20,9 @@ CREATE OR REPLACE VIEW {db}.step_across_ranks AS
 SELECT
     run_id,
     step,
-    count() AS ranks_reporting,
+    -- ranks, not rows: a rank that logs a step again after resuming from a checkpoint
+    -- (same run id, new event ids) is still one rank
+    uniqExact(rank) AS ranks_reporting,
     max(world_size) AS world_size,
     min(time) AS first_time,
     max(time) AS last_time,
@@ -45,7 +47,8 @@ GROUP BY run_id, step
 """
 
 # From the rank_latest rollup (argMax: exact even for a record stored twice): 1,024 rows
-# for 1,024 ranks instead of a scan of every step row.
+# for 1,024 ranks instead of a scan of every step row. The row each rank logged last (by
+# time, then step): after a restart from a checkpoint, the new run's step.
 LATEST_STEP = """
 CREATE OR REPLACE VIEW {db}.latest_step AS
 SELECT
@@ -62,7 +65,7 @@ SELECT
     latest.8 AS host,
     dateDiff('millisecond', latest.1, now64(6)) / 1000 AS seconds_since
 FROM (
-    SELECT run_id, rank, max(step) AS step, argMaxMerge(latest) AS latest
+    SELECT run_id, rank, argMaxMerge(latest) AS latest, latest.9 AS step
     FROM {db}.rank_latest
     GROUP BY run_id, rank
 )
