@@ -28,6 +28,8 @@ def steps(run_id, first, last, rank=0):
             for step in range(first, last)]
 
 
+# tensorboard's writer thread dies of the full disk: that death is the case tested here.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_tensorboard_recovers_from_a_full_disk_and_holds_each_point_once(tmp_path, monkeypatch):
     """A full disk is a sink failure the runtime retries (docs/forwarders.md). tensorboard's
     writer thread dies at its first failed write and every later call raises its error
