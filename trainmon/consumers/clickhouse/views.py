@@ -48,7 +48,7 @@ GROUP BY run_id, step
 
 # From the rank_latest rollup (argMax: exact even for a record stored twice): 1,024 rows
 # for 1,024 ranks instead of a scan of every step row. The row each rank logged last (by
-# time, then step): after a restart from a checkpoint, the new run's step.
+# time): after a restart from a checkpoint, the new run's step.
 LATEST_STEP = """
 CREATE OR REPLACE VIEW {db}.latest_step AS
 SELECT
