@@ -110,7 +110,7 @@ _STATUS_BY_NAME = {
 # Codes this module raises itself (the rest come from chDB with their names).
 _CODES = {"SYNTAX_ERROR": 62, "REQUIRED_PASSWORD": 194, "AUTHENTICATION_FAILED": 516,
           "CANNOT_DECOMPRESS": 271, "CHECKSUM_DOESNT_MATCH": 40, "UNKNOWN_FORMAT": 73,
-          "STD_EXCEPTION": 1001}
+          "READONLY": 164, "INTO_OUTFILE_NOT_ALLOWED": 358, "STD_EXCEPTION": 1001}
 
 _CONTENT_TYPES = {
     "TabSeparated": "text/tab-separated-values", "TSV": "text/tab-separated-values",
@@ -260,6 +260,57 @@ def _status_of(text: str) -> int:
 
 _READS = re.compile(r"^\s*(?:--[^\n]*\n\s*|/\*.*?\*/\s*)*(SELECT|WITH|SHOW|DESCRIBE|DESC|EXPLAIN|EXISTS)\b",
                     re.IGNORECASE | re.DOTALL)
+
+
+# What ClickHouse's lexer skips: comments (/* */ nest) and what is quoted.
+_SKIPPED = re.compile(r"--|#|/\*|['\"`]")
+_COMMENT_MARK = re.compile(r"/\*|\*/")
+_QUOTED_REST = {q: re.compile(r"(?:[^%s\\]|\\.|%s%s)*%s" % (q, q, q, q), re.DOTALL) for q in "'\"`"}
+_INSERT = re.compile(r"^\s*INSERT\b", re.IGNORECASE)
+_INTO_OUTFILE = re.compile(r"\bINTO\s+OUTFILE\b", re.IGNORECASE)
+_KILL = re.compile(r"^\s*KILL\b", re.IGNORECASE)
+
+
+def _words(sql: str) -> str:
+    """``sql`` with its comments, string literals and quoted identifiers blanked out."""
+    out, pos, end = [], 0, len(sql)
+    while True:
+        mark = _SKIPPED.search(sql, pos)
+        if mark is None:
+            out.append(sql[pos:])
+            return "".join(out)
+        out.append(sql[pos:mark.start()] + " ")
+        token, pos = mark.group(), mark.end()
+        if token in ("--", "#"):
+            newline = sql.find("\n", pos)
+            pos = end if newline < 0 else newline
+        elif token == "/*":
+            depth = 1
+            while depth:
+                inner = _COMMENT_MARK.search(sql, pos)
+                if inner is None:
+                    return "".join(out)  # unterminated: ClickHouse refuses it
+                depth += 1 if inner.group() == "/*" else -1
+                pos = inner.end()
+        else:
+            rest = _QUOTED_REST[token].match(sql, pos)
+            if rest is None:
+                return "".join(out)  # unterminated
+            pos = rest.end()
+
+
+def _refuse_what_a_server_refuses(sql: str, user: "User", readonly: bool) -> None:
+    """chDB is clickhouse-local: it writes INTO OUTFILE on this host, which a server refuses
+    over HTTP; and it runs every query as one user, so a readonly user's KILL QUERY would
+    cancel the other users' queries and the loader's inserts (a server's readonly user
+    without the KILL QUERY grant cannot). An INSERT's data is not looked at."""
+    if _INSERT.match(_words(sql[:65536])):
+        return
+    words = _words(sql)
+    if _INTO_OUTFILE.search(words):
+        raise ClickHouseHttpError("INTO_OUTFILE_NOT_ALLOWED", "INTO OUTFILE is not allowed")
+    if readonly and _KILL.match(words):
+        raise ClickHouseHttpError("READONLY", f"{user.name}: Cannot execute query in readonly mode")
 
 
 def _native_header(run, sql: str, query_params: dict) -> bytes:
@@ -461,11 +512,13 @@ class SqlEndpoint:
             if not _SETTING_NAME.match(name):
                 raise ClickHouseHttpError("UNKNOWN_SETTING", f"Unknown setting '{name}'", code=115)
         database = params.get("database") or self.database
+        _refuse_what_a_server_refuses(sql, user, bool(user.readonly) or method == "GET")
         conn = self._connect()
         try:
             def run(statement: str, fmt: str = "TabSeparated", **kw):
                 try:
-                    return conn.query(statement, fmt, **kw)
+                    # The exact bytes: an INSERT's data (Native, RowBinary...) is not text.
+                    return conn.query(statement.encode("utf-8", "surrogateescape"), fmt, **kw)
                 except Exception as exc:  # chDB's error: ClickHouse's code and text
                     code, text = _error_of(exc)
                     # chDB runs every query as its one user, "default": name ours.
@@ -489,7 +542,7 @@ class SqlEndpoint:
             body = bytes(result.bytes() or b"")
             match = _TRAILING_FORMAT.search(sql)
             fmt = match.group(1) if match else default_format
-            if fmt == "Native" and not body and _READS.match(sql):
+            if fmt.lower() == "native" and not body and _READS.match(sql):
                 body = _native_header(run, sql[:match.start()] if match else sql, query_params)
             summary = {"read_rows": str(result.rows_read()), "read_bytes": str(result.bytes_read()),
                        "written_rows": str(getattr(result, "rows_written", lambda: 0)()),
@@ -497,7 +550,7 @@ class SqlEndpoint:
                        "elapsed_ns": str(int(result.elapsed() * 1e9))}
         finally:
             conn.close()
-        if fmt == "Native":
+        if fmt.lower() == "native":
             try:
                 revision = int(params.get("client_protocol_version") or 0)
             except ValueError:
@@ -587,9 +640,17 @@ class SqlEndpoint:
                                                   f"request body: {exc}") from exc
                     sql = params.get("query", "")
                     if body:
-                        sql = f"{sql}\n{body.decode('utf-8', 'replace')}" if sql else body.decode("utf-8", "replace")
+                        # surrogateescape: execute gives chDB these bytes back unchanged.
+                        text = body.decode("utf-8", "surrogateescape")
+                        sql = f"{sql}\n{text}" if sql else text
                     started = time.monotonic()
-                    out, fmt, summary = endpoint.execute(user, sql, params, method)
+                    try:
+                        out, fmt, summary = endpoint.execute(user, sql, params, method)
+                    except ClickHouseHttpError:
+                        raise
+                    except Exception as exc:  # noqa: BLE001 - an answer, not a dropped connection
+                        log.warning("query failed in the endpoint: %s", exc, exc_info=True)
+                        raise ClickHouseHttpError("STD_EXCEPTION", f"{type(exc).__name__}: {exc}") from exc
                     log.debug("%s ran a query in %.3f s", user.name, time.monotonic() - started)
                 except ClickHouseHttpError as exc:
                     text = str(exc).rstrip() + "\n"
