@@ -50,6 +50,7 @@ class AlertEngine:
             for kind in rule.kinds:
                 self._by_kind[kind].append(rule)
         self._tick_rules = [r for r in self.rules.values() if isinstance(r, TickRule)]
+        self._restarting = tuple(name for name, r in self.rules.items() if r.restarts_with_steps)
         self.runs: dict[str, RunState] = {}
         # Runs whose every rank ended, with when: late records of theirs change nothing.
         self.ended_runs: OrderedDict[str, float] = OrderedDict()
@@ -95,6 +96,9 @@ class AlertEngine:
         if kind == "step":
             if rs.last_step is not None and record.step < rs.last_step:
                 self.book.steps_start_over(record.run_id)  # (on_step rewinds the run)
+                for other in run.ranks.values():  # (on_step forgets every rank's last step)
+                    for name in self._restarting:
+                        other.slots.pop(name, None)
             run.on_step(rs, record.step, t, record.duration_ms, t if received is None else received,
                         record.total_steps)
         for rule in self._by_kind.get(kind, ()):

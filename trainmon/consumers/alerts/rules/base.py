@@ -64,6 +64,10 @@ class Rule:
     whole_run = False  # observed for the run as a whole (tick rules), not per rank
     lasting = False  # its incidents outlive the run's end (resolved when the run starts again)
     worse_when_higher = True  # for escalations: which way a value gets worse
+    # Its rank state follows the run's course (a loss level, a trend, the step time): a
+    # run whose steps go back (resumed from an earlier checkpoint) retraces that course
+    # from there, so the state starts again rather than judge it against where it got to.
+    restarts_with_steps = False
     rank_state: ClassVar[type | None] = None  # a dataclass: what it keeps per rank
     run_state: ClassVar[type | None] = None  # a dataclass: what it keeps per run
     # The docs table (docs.py): ``{setting}`` shows as `setting`=default, ``{setting.value}``

@@ -46,6 +46,7 @@ class EvalLossSpikeRule(MedianRiseRule, name="eval_loss_spike", config=EvalLossS
 
     kinds = ("eval",)
     field, what = "loss", "eval loss spike"
+    restarts_with_steps = True  # (base.Rule)
     rank_state = EvalSets
     fires_when = ("eval loss >= (1 + {rise}) x the median of its last {window} evals (from "
                   "{min_samples} evals); several eval sets logged at one step (HF Trainer's "
@@ -101,6 +102,7 @@ class EvalDivergenceRule(Rule, name="eval_divergence", config=EvalDivergence):
 
     kinds = ("step", "eval")
     rank_state = EvalBests
+    restarts_with_steps = True  # (base.Rule)
     fires_when = ("eval loss >= (1 + {rise}) x its best so far (per eval set) while the training "
                   "loss (median of its last {train_window} steps) is below what it was at that best "
                   "eval, on {fire_after.value} evals in a row")
@@ -158,6 +160,7 @@ class TrainAboveEvalRule(Rule, name="train_loss_above_eval", config=TrainAboveEv
 
     kinds = ("step", "eval")
     rank_state = LatestEval
+    restarts_with_steps = True  # (base.Rule)
     fires_when = ("training loss >= (1 + {rise}) x the latest eval loss (the highest of the eval "
                   "sets of its step) on {fire_after.value} records in a row")
     catches = ("a blow-up after the last eval, seen from the first training records after it: "

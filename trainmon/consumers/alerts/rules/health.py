@@ -276,6 +276,7 @@ class NcclWarningBurst(RuleConfig):
 @dataclass(slots=True)
 class Warnings:
     counts: dict[str, int] = field(default_factory=dict)  # message signature -> its count so far
+    at: dict[str, float] = field(default_factory=dict)  # message signature -> time of that count
     recent: list[tuple[float, int, str]] = field(default_factory=list)  # (time, new lines, text)
 
 
@@ -300,8 +301,18 @@ class NcclWarningBurstRule(Rule, name="nccl_warning_burst", config=NcclWarningBu
         if r.source not in self.cfg.sources:
             return None
         st = rank.slot(self)
-        new = r.count - st.counts.get(r.signature, 0)
-        st.counts[r.signature] = max(r.count, st.counts.get(r.signature, 0))
+        before, since = st.counts.get(r.signature, 0), st.at.get(r.signature)
+        if r.count < before:
+            if since is not None and t <= since:
+                return None  # an earlier record sent again (at least once): nothing new
+            new, since = r.count, None  # a new process's count (the job restarted): from 1 again
+        else:
+            new = r.count - before
+        # Counts come at 1, 2, 4, 8, ...: the growth since the signature's previous record
+        # was printed over the time between the two, of which window_s counts.
+        if new > 0 and since is not None and t - since > self.cfg.window_s:
+            new = round(new * self.cfg.window_s / (t - since))
+        st.counts[r.signature], st.at[r.signature] = r.count, t
         if new > 0:
             st.recent.append((t, new, r.text[:200]))
         st.recent = [x for x in st.recent if x[0] > t - self.cfg.window_s]

@@ -31,6 +31,7 @@ class LossSpike(RuleConfig):
 
 class LossSpikeRule(BaselineRule, name="loss_spike", config=LossSpike):
     field, what = "loss", "loss spike"
+    restarts_with_steps = True  # (base.Rule)
     fires_when = ("loss >= (1 + {rise}) x the median of its last {window} accepted losses with a "
                   "robust z >= {min_z} (from {min_samples} records) on {fire_after.value} records in "
                   "a row, or >= (1 + {jump}) x that median on one record, from the second record on")
@@ -136,6 +137,7 @@ class LossDivergenceRule(Rule, name="loss_divergence", config=LossDivergence):
 
     kinds = ("step",)
     rank_state = Divergence
+    restarts_with_steps = True  # (base.Rule)
     fires_when = ("over the last {window} losses, the median of the newer half >= (1 + {rise}) x "
                   "the run's lowest such median and above the older half's; it stays diverging "
                   "until the loss is back near its best or clearly falls")
@@ -189,6 +191,7 @@ class Plateau:
 class LossPlateauRule(Rule, name="loss_plateau", config=LossPlateau):
     kinds = ("step",)
     rank_state = Plateau
+    restarts_with_steps = True  # (base.Rule)
     fires_when = ("over the last {window} steps, the median of the newer half >= (1 - "
                   "{min_decrease}) x the median of the older half: flat or rising")
     catches = "a run that stopped learning"

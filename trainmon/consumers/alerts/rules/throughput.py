@@ -26,6 +26,7 @@ class IterationTimeSpike(RuleConfig):
 
 class IterationTimeSpikeRule(BaselineRule, name="iteration_time_spike", config=IterationTimeSpike):
     field, what = "duration_ms", "iteration time spike"
+    restarts_with_steps = True  # (base.Rule)
     skip_inf = False  # an infinite step time is judged
     fires_when = ("step time > {factor} x the median of the last {window} steps before the slow "
                   "ones (from {min_samples}: the first steps of a run are warm-up) on "
@@ -70,6 +71,7 @@ class ThroughputDropRule(BaselineRule, name="throughput_drop", config=Throughput
     Each measure, and each batch size, has its own baseline."""
 
     what = "throughput drop"
+    restarts_with_steps = True  # (base.Rule)
     worse_when_higher = False
     rank_state = Throughputs
     fires_when = ("tokens/s, else TFLOP/s per GPU, else samples/s (`global_batch_size` / step "
