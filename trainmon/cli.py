@@ -69,7 +69,11 @@ def cmd_broker(args) -> int:
         return 0
     # Without --port: the port the broker of this data directory was started with, else
     # Kafka's usual 9092 for a new one.
-    port = args.port or int(os.environ.get("TRAINMON_BROKER_PORT", 0))
+    env_port = os.environ.get("TRAINMON_BROKER_PORT") or "0"
+    if not args.port and not (env_port.isdigit() and int(env_port) < 65536):
+        print(f"trainmon broker: TRAINMON_BROKER_PORT={env_port!r} is not a port number", file=sys.stderr)
+        return 2
+    port = args.port or int(env_port)
     state = Path(args.data_dir) / ("node-1" if args.nodes > 1 else "") / "broker.json"
     if not port and not state.exists():
         port = 9092

@@ -99,7 +99,7 @@ class ServiceMetrics:
         cannot be had -- a metrics port is never a reason for a consumer not to run."""
         try:
             self._server, _ = start_http_server(port, addr=addr, registry=self.registry)
-        except OSError as exc:
+        except (OSError, OverflowError) as exc:  # (OverflowError: a port over 65535)
             log.error("trainmon: %s: cannot serve metrics on %s:%d (%s); running without them",
                       self.service, addr, port, exc)
             return None

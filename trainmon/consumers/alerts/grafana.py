@@ -53,11 +53,31 @@ def epoch_ms(alert: AlertRecord) -> int:
     return int(alert.time.timestamp() * 1000)
 
 
+def url_problem(url: str) -> str | None:
+    """What is wrong with GRAFANA_URL, or None: http(s)://HOST[:PORT][/PATH]."""
+    parsed = urlparse(url)
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        return f"GRAFANA_URL {url!r} is not an http:// or https:// URL (e.g. http://grafana:3000)"
+    try:
+        parsed.port
+    except ValueError as exc:
+        return f"GRAFANA_URL {url!r}: {exc}"
+    return None
+
+
+def api_base(url: str) -> str:
+    """The URL as grafana-client wants it: its path ends in '/'. grafana-client appends
+    'api' to the path as given, so a Grafana on a sub-path (https://host/grafana) would be
+    asked at /grafanaapi/..., a 404 retried for ever."""
+    parsed = urlparse(url)
+    return parsed._replace(path=parsed.path.rstrip("/") + "/").geturl()
+
+
 class GrafanaAnnotations:
     def __init__(self, url: str, token: str | None, *, dashboard_uid: str | None = None,
                  timeout_s: float = 5.0):
         credential = TokenAuth(token) if token else None
-        self.api = GrafanaApi.from_url(url, credential=credential, timeout=timeout_s)
+        self.api = GrafanaApi.from_url(api_base(url), credential=credential, timeout=timeout_s)
         self.dashboard_uid = dashboard_uid
 
     def send(self, alert: AlertRecord) -> int:
@@ -174,6 +194,9 @@ class GrafanaForwarder:
         url = env.get("GRAFANA_URL")
         if not url:
             raise SystemExit("trainmon consume alerts: GRAFANA_URL is not set")
+        problem = url_problem(url)
+        if problem:
+            raise SystemExit(f"trainmon consume alerts: {problem}")
         token = env.get("GRAFANA_TOKEN")
         if not token and not urlparse(url).password:
             raise SystemExit("trainmon consume alerts: GRAFANA_TOKEN is not set (a Grafana service "
@@ -182,9 +205,10 @@ class GrafanaForwarder:
                                          timeout_s=config.grafana_timeout_s)
         return cls(annotations, config, env=env, **kw)
 
-    def run(self, exit_when_idle_s: float | None = None) -> None:
+    def run(self, exit_when_idle_s: float | None = None, **metrics) -> None:
+        """``metrics``: serve's metrics_port / metrics_listen (run alone: --only grafana)."""
         serve(self.sink, topic_prefix=self.topic_prefix, env=self.env, stop=self.stop, retry=self.retry,
-              exit_when_idle_s=exit_when_idle_s)
+              exit_when_idle_s=exit_when_idle_s, **metrics)
 
 
 def _is_auth(exc: Exception) -> bool:

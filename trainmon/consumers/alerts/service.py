@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
 
         forwarder = GrafanaForwarder.from_env(config, stop=stop)
         if args.only == "grafana":
-            forwarder.run(exit_when_idle_s=args.exit_when_idle_s)
+            forwarder.run(exit_when_idle_s=args.exit_when_idle_s, **metrics_options(args))
             return 0
     thread = None
     if forwarder is not None:
