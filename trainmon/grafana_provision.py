@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -67,7 +68,10 @@ def datasource_yaml(info: dict) -> str:
     secrets = [f"      password: {_q(info['viewer_password'])}"]
     if secure and info.get("tls_cert"):
         lines.append("      tlsAuthWithCACert: true")
-        secrets.append(f"      tlsCACert: {_q(Path(info['tls_cert']).read_text())}")
+        # Its certificates only: the file may be the broker's PEM, its private key first.
+        certificates = re.findall(r"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----",
+                                  Path(info["tls_cert"]).read_text(), re.S)
+        secrets.append(f"      tlsCACert: {_q(''.join(c + chr(10) for c in certificates))}")
     return "\n".join(lines + ["    secureJsonData:"] + secrets) + "\n"
 
 

@@ -71,7 +71,31 @@ class StackSecrets:
             made._take_given(Path(tls_cert), Path(tls_key), Path(tls_ca))
         elif not made.broker_keystore.exists():
             made._make_certificates(hosts)
+        elif (directory / "ca.key").exists() and not made._covers(hosts):
+            # Made here for other hosts (a new --listen or --public-host): a certificate
+            # for these, signed by the same CA, so the nodes keep their CA file.
+            made._make_certificates(hosts)
         return made
+
+    def _covers(self, hosts: list[str]) -> bool:
+        """Whether the broker's certificate names every one of ``hosts``."""
+        from cryptography import x509
+
+        try:
+            cert = x509.load_pem_x509_certificate(self.broker_keystore.read_bytes())
+            san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        except (ValueError, x509.ExtensionNotFound):
+            return False
+        ips = set(san.get_values_for_type(x509.IPAddress))
+        dns = {name.lower() for name in san.get_values_for_type(x509.DNSName)}
+        for host in hosts:
+            try:
+                if ipaddress.ip_address(host) not in ips:
+                    return False
+            except ValueError:
+                if host.lower() not in dns:
+                    return False
+        return True
 
     def _take_given(self, cert: Path, key: Path, ca: Path) -> None:
         from cryptography.hazmat.primitives import serialization
@@ -81,6 +105,7 @@ class StackSecrets:
                                       serialization.NoEncryption())
         _write_private(self.broker_keystore, pkcs8 + cert.read_bytes())
         shutil.copyfile(ca, self.ca_file)
+        (self.directory / "ca.key").unlink(missing_ok=True)  # (a CA of ours no longer in use)
 
     def _make_certificates(self, hosts: list[str]) -> None:
         from cryptography import x509
@@ -89,14 +114,20 @@ class StackSecrets:
         from cryptography.x509.oid import NameOID
 
         now = datetime.datetime.now(datetime.timezone.utc)
-        ca_key = ec.generate_private_key(ec.SECP256R1())
-        ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "trainmon stack CA")])
-        ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
-              .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
-              .not_valid_before(now - datetime.timedelta(minutes=5))
-              .not_valid_after(now + datetime.timedelta(days=3650))
-              .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-              .sign(ca_key, hashes.SHA256()))
+        ca_key_file = self.directory / "ca.key"
+        if ca_key_file.exists() and self.ca_file.exists():  # a new certificate, the same CA
+            ca_key = serialization.load_pem_private_key(ca_key_file.read_bytes(), password=None)
+            ca = x509.load_pem_x509_certificate(self.ca_file.read_bytes())
+            ca_name = ca.subject
+        else:
+            ca_key = ec.generate_private_key(ec.SECP256R1())
+            ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "trainmon stack CA")])
+            ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name)
+                  .public_key(ca_key.public_key()).serial_number(x509.random_serial_number())
+                  .not_valid_before(now - datetime.timedelta(minutes=5))
+                  .not_valid_after(now + datetime.timedelta(days=3650))
+                  .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+                  .sign(ca_key, hashes.SHA256()))
         names: list[x509.GeneralName] = []
         for host in dict.fromkeys([*hosts, "localhost", "127.0.0.1"]):
             try:
