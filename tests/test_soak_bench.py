@@ -8,6 +8,7 @@ import random
 import pytest
 
 from .benchmark_scripts import load_benchmark
+from .waiting import wait_until
 
 soak = load_benchmark("soak")
 
@@ -111,15 +112,17 @@ def test_a_live_threads_procfs_handles_are_counted_apart_from_open_files():
     import threading
 
     files_before, handles_before = soak.open_files(os.getpid())
-    opened, done = [], threading.Event()
+    opened, ready, done = [], threading.Event(), threading.Event()
 
     def keep_own_stat_open():
         opened.append(open("/proc/thread-self/stat"))
+        ready.set()
         done.wait(10)
 
     thread = threading.Thread(target=keep_own_stat_open)
     thread.start()
     try:
+        assert ready.wait(10), "the thread did not open its stat file"  # (counted only then)
         with open(__file__) as ordinary:
             files, handles = soak.open_files(os.getpid())
             assert (files, handles) == (files_before + 1, handles_before + 1)
@@ -127,6 +130,8 @@ def test_a_live_threads_procfs_handles_are_counted_apart_from_open_files():
     finally:
         done.set()
         thread.join()
+    # (join returns once the Python thread is done; the kernel's task may linger a moment)
+    wait_until(lambda: not os.path.exists(f"/proc/self/task/{thread.native_id}"), 10, "the thread's task gone")
     try:
         files, handles = soak.open_files(os.getpid())
         assert (files, handles) == (files_before + 1, handles_before)
