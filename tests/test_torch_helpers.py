@@ -130,10 +130,11 @@ def test_allocator_counts_a_shared_storage_once():
 def test_cuda_memory_stats_map_to_allocator_fields():
     stats = {"allocated_bytes.all.current": 10, "allocated_bytes.all.peak": 20,
              "active_bytes.all.current": 11, "inactive_split_bytes.all.current": 3,
-             "reserved_bytes.all.current": 32, "num_alloc_retries": 1,
-             "allocation.all.current": 5}
+             "reserved_bytes.all.current": 32, "reserved_bytes.all.peak": 48,
+             "num_alloc_retries": 1, "allocation.all.current": 5}
     assert cuda_memory_fields(stats) == {"allocated": 10, "peak_allocated": 20, "active": 11,
-                                         "inactive": 3, "reserved": 32, "alloc_retries": 1}
+                                         "inactive": 3, "reserved": 32, "peak_reserved": 48,
+                                         "alloc_retries": 1}
     assert cuda_memory_fields({}) == {}
 
 

@@ -32,6 +32,7 @@ CUDA_MEMORY_FIELDS = {
     "active_bytes.all.current": "active",
     "inactive_split_bytes.all.current": "inactive",
     "reserved_bytes.all.current": "reserved",
+    "reserved_bytes.all.peak": "peak_reserved",  # Megatron's "max reserved"
     "num_alloc_retries": "alloc_retries",
 }
 
