@@ -5,9 +5,9 @@
 Trains a small transformer on the GPU for ``--seconds`` while the producer logs every
 step, an allocator record every 10 steps and the run's gpu_model record, and a GpuSampler
 reads NVML every 0.25 s (health every 2 s). The producer sends into an in-memory broker
-(no Kafka on a GPU machine that has no Java); every message it sent is written to
-DIR/gpu-records.jsonl (topic, key and value as Kafka would hold them) so the rest of the
-pipeline can take them in on a machine with the broker (tests/test_real_gpu_records.py).
+(no Kafka on a GPU machine that has no Java); every record it sent is written to
+DIR/gpu-records.jsonl ({"kind", "record"} per line), for the rest of the pipeline to take
+in on a machine with the broker (tests/data/gpu/, tests/test_real_gpu_records.py).
 
 Prints one line per check (ok / FAILED with the values) and NVML's read times, and exits
 1 if any check failed. Without CUDA or NVML it says so and checks what it can.
@@ -16,7 +16,6 @@ Prints one line per check (ok / FAILED with the values) and NVML's read times, a
 from __future__ import annotations
 
 import argparse
-import base64
 import json
 import statistics
 import sys
@@ -50,21 +49,32 @@ def check(name: str, judge) -> None:
 
 
 def median_us(fn, repeat: int = 200) -> float:
-    times = []
+    return wall_and_cpu_us(fn, repeat)[0]
+
+
+def wall_and_cpu_us(fn, repeat: int) -> tuple[float, float]:
+    """Median wall and CPU (this thread's) time of ``fn()`` in microseconds."""
+    walls, cpus = [], []
     for _ in range(repeat):
-        started = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.thread_time()
         fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1e6
+        cpus.append(time.thread_time() - cpu)
+        walls.append(time.perf_counter() - wall)
+    return statistics.median(walls) * 1e6, statistics.median(cpus) * 1e6
 
 
 def train(producer: Producer, sampler: GpuSampler, device: torch.device, seconds: float) -> dict:
-    """A 12-layer transformer, bf16 autocast on CUDA: enough to keep an H100 busy."""
-    width, seq, batch = (2048, 1024, 8) if device.type == "cuda" else (64, 32, 4)
-    layer = nn.TransformerEncoderLayer(width, nhead=16 if width >= 256 else 4, dim_feedforward=4 * width,
+    """A small causal language model (12 layers of width 2048 on CUDA, bf16 autocast:
+    enough to keep an H100 busy) learning next-token prediction on random tokens, so its
+    loss behaves as a language model's does (ln(vocab) and slowly falling)."""
+    cuda = device.type == "cuda"
+    vocab, width, layers, seq, batch = (32_000, 2048, 12, 1024, 8) if cuda else (512, 64, 2, 32, 4)
+    layer = nn.TransformerEncoderLayer(width, nhead=16 if cuda else 4, dim_feedforward=4 * width,
                                        batch_first=True, norm_first=True)
-    model = nn.TransformerEncoder(layer, num_layers=12 if device.type == "cuda" else 2,
-                                  enable_nested_tensor=False).to(device)
+    model = nn.ModuleDict({"embed": nn.Embedding(vocab, width),
+                           "blocks": nn.TransformerEncoder(layer, layers, enable_nested_tensor=False),
+                           "head": nn.Linear(width, vocab, bias=False)}).to(device)
+    causal = nn.Transformer.generate_square_subsequent_mask(seq, device=device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     norms = []  # (clip_grad_norm_'s total norm, the step record's norm)
     step, started = 0, time.monotonic()
@@ -72,9 +82,11 @@ def train(producer: Producer, sampler: GpuSampler, device: torch.device, seconds
         step += 1
         sampler.set_step(step)
         began = time.perf_counter()
-        x = torch.randn(batch, seq, width, device=device)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss = model(x).float().pow(2).mean()
+        tokens = torch.randint(vocab, (batch, seq + 1), device=device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            hidden = model["blocks"](model["embed"](tokens[:, :-1]), mask=causal, is_causal=True)
+            logits = model["head"](hidden).float()
+        loss = nn.functional.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         fields = step_fields(model)
@@ -85,22 +97,23 @@ def train(producer: Producer, sampler: GpuSampler, device: torch.device, seconds
                           duration_ms=(time.perf_counter() - began) * 1000, lr=1e-4, **fields)
         if step % 10 == 0:
             producer.log_allocator(step, **allocator_fields(model, optimizer))
-    if device.type == "cuda":
+    if cuda:
         torch.cuda.synchronize()
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     state = sum(v.numel() * v.element_size() for s in optimizer.state.values()  # AdamW's
-                for v in s.values() if isinstance(v, torch.Tensor) and v.device == device)  # step: CPU
+                for v in s.values() if isinstance(v, torch.Tensor) and v.device.type == device.type)  # step: CPU
     return {"steps": step, "norms": norms, "param_bytes": params, "optimizer_bytes": state}
 
 
-def captured(broker: MemoryBroker) -> tuple[list[dict], dict[str, list]]:
+def captured(broker: MemoryBroker) -> tuple[list[str], dict[str, list]]:
+    """Every record the producer sent: as JSON lines {"kind", "record"} and decoded by kind."""
     lines, records = [], {}
     for topic, messages in broker.topics.items():
         kind = topics.kind_of(topic)
-        for key, value in messages:
-            lines.append({"topic": topic, "key": base64.b64encode(key).decode(),
-                          "value": base64.b64encode(value).decode()})
-            records.setdefault(kind, []).extend(decode(kind, data) for data in unpack(value))
+        for _, value in messages:
+            for data in unpack(value):
+                lines.append(json.dumps({"kind": kind, "record": json.loads(data)}))
+                records.setdefault(kind, []).append(decode(kind, data))
     return lines, records
 
 
@@ -133,7 +146,7 @@ def main() -> int:
     delivered = producer.close()
 
     lines, records = captured(broker)
-    (args.out / "gpu-records.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (args.out / "gpu-records.jsonl").write_text("".join(line + "\n" for line in lines))
     counts = {kind: len(found) for kind, found in sorted(records.items())}
     print(f"{result['steps']} steps; records sent per kind: {counts}", flush=True)
 
@@ -229,9 +242,14 @@ def gpu_checks(records: dict, uuid: str, sampler: GpuSampler, result: dict, seco
     check("peak allocated at least current",
           lambda: (allocators[-1].peak_allocated >= allocators[-1].allocated, ""))
 
-    read_us = median_us(lambda: nvml.read(handle, index))
-    health_us = median_us(lambda: nvml.read_health(handle, index), repeat=50)
-    print(f"NVML read time, median: gpu record {read_us:.0f} us, gpu_health {health_us:.0f} us")
+    fresh = wall_and_cpu_us(lambda: nvml.read(handle, index), repeat=20)
+    known: dict = {}
+    sampler_reads = wall_and_cpu_us(lambda: nvml.read(handle, index, known), repeat=20)
+    health = wall_and_cpu_us(lambda: nvml.read_health(handle, index), repeat=20)
+    print("NVML reads, wall/CPU us (median of 20): a gpu record asking everything "
+          f"{fresh[0]:.0f}/{fresh[1]:.0f}, as the sampler asks (fixed and unsupported once) "
+          f"{sampler_reads[0]:.0f}/{sampler_reads[1]:.0f}; a gpu_health record {health[0]:.0f}/{health[1]:.0f}")
+    query_times(n, handle)
     try:
         events = nvml.XidEvents([(handle, index)])
         drain_us = median_us(events.drain, repeat=20)
@@ -242,6 +260,38 @@ def gpu_checks(records: dict, uuid: str, sampler: GpuSampler, result: dict, seco
     alloc_us = median_us(lambda: allocator_fields(None, None))
     print(f"torch.cuda.memory_stats -> allocator fields: {alloc_us:.0f} us")
     n.nvmlShutdown()
+
+
+def query_times(n, handle) -> None:
+    """Wall and CPU time of each NVML query a gpu record makes (median of 10): which
+    ones wait, and whether they wait on the CPU."""
+    clocks_event = getattr(n, "nvmlDeviceGetCurrentClocksEventReasons", None) \
+        or n.nvmlDeviceGetCurrentClocksThrottleReasons
+    queries = {
+        "clock": (n.nvmlDeviceGetClockInfo, n.NVML_CLOCK_SM),
+        "max_clock": (n.nvmlDeviceGetMaxClockInfo, n.NVML_CLOCK_SM),
+        "power": (n.nvmlDeviceGetPowerUsage,), "power_limit": (n.nvmlDeviceGetEnforcedPowerLimit,),
+        "temperature": (n.nvmlDeviceGetTemperature, n.NVML_TEMPERATURE_GPU),
+        "temp_slowdown": (n.nvmlDeviceGetTemperatureThreshold, n.NVML_TEMPERATURE_THRESHOLD_SLOWDOWN),
+        "utilization": (n.nvmlDeviceGetUtilizationRates,), "memory": (n.nvmlDeviceGetMemoryInfo,),
+        "pcie_rx": (n.nvmlDeviceGetPcieThroughput, n.NVML_PCIE_UTIL_RX_BYTES),
+        "pcie_tx": (n.nvmlDeviceGetPcieThroughput, n.NVML_PCIE_UTIL_TX_BYTES),
+        "fan": (n.nvmlDeviceGetFanSpeed,), "throttle": (clocks_event,),
+        "energy": (n.nvmlDeviceGetTotalEnergyConsumption,),
+    }
+    parts = []
+    for name, (fn, *args) in queries.items():
+        walls, cpus = [], []
+        for _ in range(10):
+            wall, cpu = time.perf_counter(), time.thread_time()
+            try:
+                fn(handle, *args)
+            except n.NVMLError:
+                pass
+            cpus.append(time.thread_time() - cpu)
+            walls.append(time.perf_counter() - wall)
+        parts.append(f"{name} {statistics.median(walls) * 1e6:.0f}/{statistics.median(cpus) * 1e6:.0f}")
+    print("NVML queries, wall/CPU us (median of 10): " + ", ".join(parts))
 
 
 def sampler_xids_ok(health: list) -> bool:

@@ -58,7 +58,7 @@ def records() -> list[Record]:
                     **env(rank, t), step=step, id=rank, clock=1755, max_clock=1980,
                     power=650_000, power_limit=700_000, temperature=70 + step // 5, temp_slowdown=87,
                     gpu_util=97, mem_util=40, dram_free=10 * 2**30, pcie_rx=10**6, pcie_tx=2 * 10**6,
-                    fan=0, throttle="sw_power_cap" if step == 10 else "", energy=10**9 + step))
+                    fan=0, throttle="sw_power_cap,hw_slowdown" if step == 10 else "", energy=10**9 + step))
                 out.append(AllocatorRecord(
                     **env(rank, t), step=step,
                     stats=[dict(name=name, device=size, managed=0, pinned=0, pageable=4096)

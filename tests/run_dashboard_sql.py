@@ -1,9 +1,10 @@
 """Runs SQL against a fresh chDB holding tests.dashboard_data, in its own process (chDB
 hosts one data directory per process). Usage:
 
-    python -m tests.run_dashboard_sql DATA_DIR [--wide] < {"name": sql, ...} > {"name": result}
+    python -m tests.run_dashboard_sql DATA_DIR [--wide | --records FILE] < {"name": sql, ...} > {"name": result}
 
---wide: the 16,384-rank run of tests.dashboard_data.wide_run_sql instead.
+--wide: the 16,384-rank run of tests.dashboard_data.wide_run_sql instead; --records: the
+records of FILE instead, one {"kind", "record"} per line (tests/data/gpu/).
 
 Each result is {"columns": [...], "rows": [[...], ...]} or {"error": "..."}.
 """
@@ -15,9 +16,15 @@ import sys
 
 from tests.dashboard_data import records, wide_run_sql
 from trainmon.consumers.clickhouse import Target, connect, create_all, insert_records, refresh_now
+from trainmon.schemas import decode
 
 
-def main(path: str, wide: bool = False) -> None:
+def records_of(path: str) -> list:
+    lines = [json.loads(line) for line in open(path, encoding="utf-8")]
+    return [decode(line["kind"], json.dumps(line["record"]).encode()) for line in lines]
+
+
+def main(path: str, wide: bool = False, records_file: str | None = None) -> None:
     queries = json.load(sys.stdin)
     client = connect(Target(path=path))
     create_all(client)
@@ -25,7 +32,7 @@ def main(path: str, wide: bool = False) -> None:
         for sql in wide_run_sql():
             client.command(sql)
     else:
-        insert_records(client, records())
+        insert_records(client, records_of(records_file) if records_file else records())
     refresh_now(client)  # (the goodput panel's table, else recomputed within a minute)
     client.database = "trainmon"  # as Grafana's data source with defaultDatabase does
     results = {}
@@ -41,4 +48,6 @@ def main(path: str, wide: bool = False) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], wide="--wide" in sys.argv[2:])
+    options = sys.argv[2:]
+    main(sys.argv[1], wide="--wide" in options,
+         records_file=options[options.index("--records") + 1] if "--records" in options else None)

@@ -118,3 +118,72 @@ def test_a_failing_read_is_reported_once_and_sampling_goes_on(make_producer, cap
     sampler.stop()
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "fallen off the bus" in warnings[0].getMessage()
+
+
+class FakeNvml:
+    """The pynvml functions ``read`` calls, counting the calls: the fan is not supported
+    (a passively cooled board), the power reading fails once for another reason."""
+
+    NVML_ERROR_NOT_SUPPORTED, NVML_ERROR_UNKNOWN = 3, 999
+    NVML_CLOCK_SM, NVML_TEMPERATURE_GPU, NVML_TEMPERATURE_THRESHOLD_SLOWDOWN = 1, 0, 1
+    NVML_PCIE_UTIL_RX_BYTES, NVML_PCIE_UTIL_TX_BYTES = 1, 0
+
+    class NVMLError(Exception):
+        def __init__(self, value):
+            self.value = value
+
+    def __init__(self):
+        from collections import Counter
+        from types import SimpleNamespace
+
+        self.calls = Counter()
+        self.power_fails = 1
+
+        def answer(name, value):
+            def fn(*args):
+                self.calls[name] += 1
+                return value(*args) if callable(value) else value
+            return fn
+
+        def fan(handle):
+            raise self.NVMLError(self.NVML_ERROR_NOT_SUPPORTED)
+
+        def power(handle):
+            if self.power_fails:
+                self.power_fails -= 1
+                raise self.NVMLError(self.NVML_ERROR_UNKNOWN)
+            return 612_345
+
+        self.nvmlDeviceGetUtilizationRates = answer("util", SimpleNamespace(gpu=97, memory=41))
+        self.nvmlDeviceGetMemoryInfo = answer("memory", SimpleNamespace(free=5 * 2**30))
+        self.nvmlDeviceGetClockInfo = answer("clock", 1755)
+        self.nvmlDeviceGetMaxClockInfo = answer("max_clock", 1980)
+        self.nvmlDeviceGetPowerUsage = answer("power", power)
+        self.nvmlDeviceGetEnforcedPowerLimit = answer("power_limit", 700_000)
+        self.nvmlDeviceGetTemperature = answer("temperature", 78)
+        self.nvmlDeviceGetTemperatureThreshold = answer("slowdown", 87)
+        self.nvmlDeviceGetPcieThroughput = answer("pcie", 1000)
+        self.nvmlDeviceGetFanSpeed = answer("fan", fan)
+        self.nvmlDeviceGetCurrentClocksEventReasons = answer("throttle", 0x4)
+        self.nvmlDeviceGetTotalEnergyConsumption = answer("energy", 9_876_543)
+
+
+def test_fixed_readings_and_unsupported_queries_are_asked_once_per_gpu(monkeypatch):
+    from trainmon.integrations import nvml
+
+    fake = FakeNvml()
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    known: dict = {}
+    readings = [nvml.read("handle", 3, known) for _ in range(3)]
+    assert readings[0].power_mw is None  # failed, but not as unsupported: asked again
+    assert readings[1] == readings[2] == NvmlReading(
+        index=3, clock_mhz=1755, max_clock_mhz=1980, power_mw=612_345, power_limit_mw=700_000,
+        temperature_c=78, slowdown_temperature_c=87, gpu_util_percent=97, memory_util_percent=41,
+        memory_free_bytes=5 * 2**30, pcie_rx_kb_per_s=1000, pcie_tx_kb_per_s=1000,
+        fan_percent=None, clocks_event_reasons=0x4, energy_mj=9_876_543)
+    assert fake.calls["max_clock"] == fake.calls["slowdown"] == 1
+    assert fake.calls["fan"] == 1 and "fan_percent" in known  # refused once, never asked again
+    assert fake.calls["power"] == fake.calls["clock"] == fake.calls["energy"] == 3
+    # Without a memo every reading is asked each time (another GPU's sampler, a replay).
+    nvml.read("handle", 3)
+    assert fake.calls["max_clock"] == 2

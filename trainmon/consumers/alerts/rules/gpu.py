@@ -36,7 +36,7 @@ class GpuTemperature(RuleConfig):
 class GpuTemperatureRule(GpuRule, name="gpu_temperature", config=GpuTemperature):
     fires_when = "temperature >= `temp_slowdown` - {margin_c}"
     catches = "a GPU about to slow down for heat"
-    checked_on = "tests (no GPU telemetry in the corpus)"
+    checked_on = "tests; silent on a healthy H200 run's NVML records (tests/data/gpu)"
 
     def problem(self, r):
         if r.temp_slowdown <= 0:
@@ -49,7 +49,11 @@ class GpuTemperatureRule(GpuRule, name="gpu_temperature", config=GpuTemperature)
 
 
 class GpuThrottle(RuleConfig):
-    ignore: list[str] = Field(default_factory=lambda: ["app_clocks", "display_clocks", "sync_boost"])
+    # sw_power_cap is how a busy GPU runs, not a fault: a healthy H200 training run set it
+    # on 89 of 121 samples, from 155 W, at 93-99 % of its maximum clock
+    # (tests/data/gpu/h200-gpu-check.jsonl). Firing on it paged every busy GPU.
+    ignore: list[str] = Field(default_factory=lambda: ["app_clocks", "display_clocks", "sync_boost",
+                                                       "sw_power_cap"])
     clear_after: int = Field(3, ge=1)
     cooldown_s: float = Field(300.0, ge=0)
 
@@ -61,8 +65,8 @@ class GpuThrottle(RuleConfig):
 
 class GpuThrottleRule(GpuRule, name="gpu_throttle", config=GpuThrottle):
     fires_when = "a throttle reason other than {ignore}"
-    catches = "clocks held down (power, heat, hardware slowdown)"
-    checked_on = "tests"
+    catches = "clocks held down (heat, hardware slowdown, power brake)"
+    checked_on = "tests; silent on a healthy H200 run's NVML records (tests/data/gpu)"
 
     def problem(self, r):
         reasons = [x for x in r.throttle.split(",") if x and x not in self.cfg.ignore]
