@@ -12,7 +12,9 @@ training code:
 - ``on_evaluate``: an eval record per eval set (``eval_loss``, ``eval_<name>_loss``) with
   ``eval_runtime`` as its duration;
 - ``on_save``: a checkpoint record (``output_dir/checkpoint-N`` and its size);
-- ``on_train_end``: the run end, then a flush.
+- ``on_train_end``: the run end, then a flush;
+- on a GPU, as W&B's system metrics: the gpu_model record, NVML's gpu and gpu_health
+  records on their own thread, and an allocator record at each log (gpu_telemetry.py).
 
 Every process logs its own rank (trainmon keeps ranks apart; W&B's callback logs rank 0
 only). The producer comes from the TRAINMON_* environment unless one is passed. A failure
@@ -30,6 +32,7 @@ from transformers import TrainerCallback
 
 from ..producer import Producer
 from .framework import ProducerOwner
+from .gpu_telemetry import GpuTelemetry
 
 
 def _finite_number(v: Any) -> bool:
@@ -53,6 +56,7 @@ class TrainmonCallback(ProducerOwner, TrainerCallback):
     def __init__(self, producer: Producer | None = None, **producer_settings: Any):
         self._use_producer(producer, producer_settings)
         self._last: tuple[float, int, Any] | None = None  # (monotonic, step, tokens seen)
+        self._gpu: GpuTelemetry | None = None
 
     # -- the Trainer's events -----------------------------------------------------------
 
@@ -65,10 +69,18 @@ class TrainmonCallback(ProducerOwner, TrainerCallback):
             self.producer.run_start(config=config, name=args.run_name or None)
             self._last = (time.monotonic(), state.global_step, state.num_input_tokens_seen)
         self._guard("on_train_begin", start)
+        self._guard("on_train_begin", self._start_gpu)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and _finite_number(logs.get("loss")):
             self._guard("on_log", lambda: self._log_step(state, logs))
+            if self._gpu is not None:
+                self._guard("on_log", lambda: self._gpu.step(state.global_step, kwargs.get("model"),
+                                                             kwargs.get("optimizer")))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self._gpu is not None and self._gpu.sampler is not None:
+            self._gpu.sampler.set_step(state.global_step)  # (an attribute: no guard needed)
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         def evaluate():
@@ -87,11 +99,18 @@ class TrainmonCallback(ProducerOwner, TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         def end():
+            if self._gpu is not None:
+                self._gpu.stop()
             self.producer.run_end("success")
             self.producer.flush(10.0)
         self._guard("on_train_end", end)
 
     # -- helpers ------------------------------------------------------------------------
+
+    def _start_gpu(self) -> None:
+        if self._gpu is None:
+            self._gpu = GpuTelemetry(self.producer)
+        self._gpu.start()
 
     def _log_step(self, state, logs: dict[str, Any]) -> None:
         now, step = time.monotonic(), state.global_step

@@ -12,7 +12,10 @@ onto trainmon records:
 - a validation loss (``val_loss``, ``val/loss``, ``validation_loss``, ``valid_loss``)
   makes an eval record;
 - ``log_hyperparams`` is the run start (its config), ``finalize`` the run end (Lightning's
-  status "success", "failed" or "aborted"), ``after_save_checkpoint`` a checkpoint record.
+  status "success", "failed" or "aborted"), ``after_save_checkpoint`` a checkpoint record;
+- on a GPU, as W&B's system metrics: the gpu_model record, NVML's gpu and gpu_health
+  records on their own thread, and an allocator record (torch.cuda's counters) with each
+  step record (gpu_telemetry.py).
 
 Other metrics (accuracy, perplexity, ...) have no trainmon field and are not sent. Every
 rank logs its own records; a failure in here is logged, never raised into training.
@@ -30,6 +33,7 @@ from lightning.pytorch.loggers.logger import Logger
 
 from ..producer import Producer
 from .framework import ProducerOwner, plain
+from .gpu_telemetry import GpuTelemetry
 
 
 TRAIN_LOSS = ("train_loss", "train/loss", "loss", "training_loss")
@@ -56,6 +60,7 @@ class TrainmonLogger(ProducerOwner, Logger):
         self._started = False
         self._last: tuple[float, int] | None = None
         self._lr: float | None = None
+        self._gpu: GpuTelemetry | None = None
 
     @property
     def name(self) -> str:
@@ -70,8 +75,7 @@ class TrainmonLogger(ProducerOwner, Logger):
     def log_hyperparams(self, params: dict[str, Any] | Namespace, *args: Any, **kwargs: Any) -> None:
         def start():
             config = vars(params) if isinstance(params, Namespace) else dict(params or {})
-            self.producer.run_start(config={k: plain(v) for k, v in config.items()})
-            self._started = True
+            self._begin({k: plain(v) for k, v in config.items()})
         self._guard("log_hyperparams", start)
 
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
@@ -92,6 +96,8 @@ class TrainmonLogger(ProducerOwner, Logger):
 
     def finalize(self, status: str) -> None:
         def end():
+            if self._gpu is not None:
+                self._gpu.stop()
             if not self._started:
                 self.producer.run_start(config={})
             self.producer.run_end({"success": "success", "failed": "failed"}.get(status, "aborted"))
@@ -100,6 +106,13 @@ class TrainmonLogger(ProducerOwner, Logger):
         self._guard("finalize", end)
 
     # -- helpers ------------------------------------------------------------------------
+
+    def _begin(self, config: dict[str, Any]) -> None:
+        self.producer.run_start(config=config)
+        self._started = True
+        if self._gpu is None:
+            self._gpu = GpuTelemetry(self.producer)
+        self._guard("GPU telemetry", self._gpu.start)
 
     def _log(self, metrics: dict[str, float], step: int | None) -> None:
         step = int(step or 0)
@@ -127,9 +140,10 @@ class TrainmonLogger(ProducerOwner, Logger):
             fields["duration_ms"] = (now - self._last[0]) * 1000.0 / (step - self._last[1])
         self._last = (now, step)
         if not self._started:  # no log_hyperparams call (a module without save_hyperparameters)
-            self.producer.run_start(config={})
-            self._started = True
+            self._begin({})
         self.producer.log_step(step, **fields)
+        if self._gpu is not None:
+            self._guard("GPU telemetry", lambda: self._gpu.step(step))
 
 
 __all__ = ["TrainmonLogger"]
