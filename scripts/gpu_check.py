@@ -9,6 +9,9 @@ reads NVML every 0.25 s (health every 2 s). The producer sends into an in-memory
 DIR/gpu-records.jsonl ({"kind", "record"} per line), for the rest of the pipeline to take
 in on a machine with the broker (tests/data/gpu/, tests/test_real_gpu_records.py).
 
+Then the HF Trainer's callback and Lightning's logger each train a small model on the
+device (when installed): their gpu_model, gpu and allocator records.
+
 Prints one line per check (ok / FAILED with the values) and NVML's read times, and exits
 1 if any check failed. Without CUDA or NVML it says so and checks what it can.
 """
@@ -157,10 +160,11 @@ def main() -> int:
     worst = max(abs(n - m) / max(n, 1e-12) for n, m in result["norms"])
     check("step norm equals clip_grad_norm_'s",
           lambda: (worst < 1e-3, f"worst relative difference {worst:.2e}"))
-    if not cuda:
+    if cuda:
+        gpu_checks(records, model_fields["uuid"], sampler, result, args.seconds)
+    else:
         print("no CUDA: the GPU checks are skipped", flush=True)
-        return 1 if failures else 0
-    gpu_checks(records, model_fields["uuid"], sampler, result, args.seconds)
+    framework_checks(cuda)
     print(f"{len(failures)} check(s) failed: {failures}" if failures else "all checks passed")
     return 1 if failures else 0
 
@@ -292,6 +296,99 @@ def query_times(n, handle) -> None:
             walls.append(time.perf_counter() - wall)
         parts.append(f"{name} {statistics.median(walls) * 1e6:.0f}/{statistics.median(cpus) * 1e6:.0f}")
     print("NVML queries, wall/CPU us (median of 10): " + ", ".join(parts))
+
+
+def framework_checks(cuda: bool) -> None:
+    """The HF Trainer's callback and Lightning's logger, each training a small model on
+    this machine's device: with CUDA, their gpu_model, gpu and allocator records."""
+    import os
+    import threading
+
+    os.environ["TRAINMON_GPU_INTERVAL_S"] = "0.2"  # (5 s by default: these runs are short)
+
+    def producer_for(run_id: str) -> tuple[Producer, MemoryBroker]:
+        broker = MemoryBroker()
+        return Producer(ProducerConfig(run_id=run_id, spill_dir=Path(tempfile.mkdtemp()) / "spill"),
+                        transport=broker.transport), broker
+
+    def samplers() -> int:
+        return sum(t.name == "trainmon-gpu" for t in threading.enumerate())
+
+    def judge(name: str, broker: MemoryBroker, steps: list[int], param_bytes: int | None) -> None:
+        _, records = captured(broker)
+        allocators = records.get("allocator", [])
+        print(f"  {name}: records per kind {({k: len(v) for k, v in sorted(records.items())})}")
+        check(f"{name}: gpu_model only on CUDA", lambda: (len(records.get("gpu_model", [])) == int(cuda), ""))
+        check(f"{name}: allocator records with the logged steps on CUDA",
+              lambda: ([a.step for a in allocators] == (steps if cuda else []), f"{[a.step for a in allocators]}"))
+        if cuda:
+            gpus = records.get("gpu", [])
+            check(f"{name}: gpu records carry training steps",
+                  lambda: (bool(gpus) and max(g.step for g in gpus) > 0, f"{len(gpus)} records"))
+            check(f"{name}: allocated on the GPU", lambda: (allocators[-1].allocated > 0, f"{allocators[-1].allocated}"))
+            if param_bytes is not None:
+                segments = {s.name: s.device for s in allocators[-1].stats}
+                check(f"{name}: weights segment on the GPU", lambda: (segments["weights"] == param_bytes,
+                                                                      f"{segments['weights']} / {param_bytes}"))
+                check(f"{name}: optimizer segment on the GPU", lambda: (segments["optimizer"] >= 2 * param_bytes,
+                                                                        f"{segments['optimizer']}"))
+
+    try:
+        import transformers
+
+        from trainmon.integrations.hf import TrainmonCallback
+    except ImportError as exc:
+        print(f"HF Trainer not checked: {exc}")
+    else:
+        producer, broker = producer_for("gpu-check-hf")
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=1024, n_positions=128, n_embd=256, n_layer=4, n_head=4))
+        data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 1024, (256, 128))]
+        args = transformers.TrainingArguments(
+            output_dir=tempfile.mkdtemp(), max_steps=30, logging_steps=5, save_strategy="no",
+            per_device_train_batch_size=16, report_to="none", use_cpu=not cuda, disable_tqdm=True)
+        before = samplers()
+        transformers.Trainer(model=model, args=args, train_dataset=data,
+                             callbacks=[TrainmonCallback(producer)]).train()
+        check("HF: sampler stopped at the end", lambda: (samplers() == before, ""))
+        producer.close()
+        judge("HF", broker, list(range(5, 31, 5)),
+              sum(p.numel() * p.element_size() for p in model.parameters()))
+
+    try:
+        import lightning
+
+        from trainmon.integrations.lightning import TrainmonLogger
+    except ImportError as exc:
+        print(f"Lightning not checked: {exc}")
+        return
+
+    class Regression(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1))
+
+        def training_step(self, batch, _):
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            self.log("train_loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    producer, broker = producer_for("gpu-check-lightning")
+    x = torch.randn(512, 256)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16)
+    before = samplers()
+    lightning.Trainer(max_steps=20, log_every_n_steps=5, accelerator="gpu" if cuda else "cpu", devices=1,
+                      enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                      logger=TrainmonLogger(producer), default_root_dir=tempfile.mkdtemp()
+                      ).fit(Regression(), loader)
+    check("Lightning: sampler stopped at the end", lambda: (samplers() == before, ""))
+    producer.close()
+    _, records = captured(broker)
+    judge("Lightning", broker, [s.step for s in records.get("step", [])], None)
 
 
 def sampler_xids_ok(health: list) -> bool:
