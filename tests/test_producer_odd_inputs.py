@@ -152,3 +152,13 @@ def test_a_callback_given_a_misspelt_setting_says_so_when_it_is_made():
 
     with pytest.raises(TypeError, match="stirct"):
         TrainmonLogger(stirct=True)
+
+
+def test_a_misspelt_kafka_client_is_named_not_taken_silently(caplog):
+    from trainmon.kafka_client.transport_choice import CONFLUENT, KAFKA_PYTHON, choose_client
+
+    assert choose_client({"TRAINMON_KAFKA_CLIENT": " Kafka-Python "}) == KAFKA_PYTHON
+    assert choose_client({}) == CONFLUENT and not caplog.records
+    with caplog.at_level("WARNING", logger="trainmon.producer"):
+        assert choose_client({"TRAINMON_KAFKA_CLIENT": "kafka_python"}) == CONFLUENT
+    assert "TRAINMON_KAFKA_CLIENT='kafka_python' is neither" in caplog.text

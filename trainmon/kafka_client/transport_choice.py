@@ -19,6 +19,9 @@ def choose_client(env: dict | None = None) -> str:
     wanted = (env.get("TRAINMON_KAFKA_CLIENT") or CONFLUENT).strip().lower()
     if wanted == KAFKA_PYTHON:
         return KAFKA_PYTHON
+    if wanted != CONFLUENT:  # a typo must not pass for a choice; the job still logs
+        log.warning("trainmon: TRAINMON_KAFKA_CLIENT=%r is neither %s nor %s; using %s",
+                    env.get("TRAINMON_KAFKA_CLIENT"), CONFLUENT, KAFKA_PYTHON, CONFLUENT)
     try:
         import confluent_kafka  # noqa: F401
     except ImportError:

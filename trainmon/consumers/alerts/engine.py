@@ -93,14 +93,13 @@ class AlertEngine:
         if rs.ended and t > rs.ended_at:
             run.set_ended(rs, False)  # records after its end: the rank is back (resumed)
             run.pending_ends.discard(rs.rank)
-        if kind == "step":
-            if rs.last_step is not None and record.step < rs.last_step:
-                self.book.steps_start_over(record.run_id)  # (on_step rewinds the run)
-                for other in run.ranks.values():  # (on_step forgets every rank's last step)
-                    for name in self._restarting:
-                        other.slots.pop(name, None)
-            run.on_step(rs, record.step, t, record.duration_ms, t if received is None else received,
-                        record.total_steps)
+        if kind == "step" and run.on_step(rs, record.step, t, record.duration_ms,
+                                          t if received is None else received, record.total_steps):
+            # Resumed from a checkpoint: the rules that judge steps start over too.
+            self.book.steps_start_over(record.run_id)
+            for other in run.ranks.values():
+                for name in self._restarting:
+                    other.slots.pop(name, None)
         for rule in self._by_kind.get(kind, ()):
             found = rule.observe(record, t, run, rs)
             if found:  # mostly None: no call for it

@@ -86,11 +86,14 @@ class RunState:
         return [rs for rs in self.ranks.values() if not rs.ended and rs.last_step is not None]
 
     def on_step(self, rs: RankState, step: int, t: float, duration_ms: float | None,
-                received: float, total_steps: int | None = None) -> None:
+                received: float, total_steps: int | None = None) -> bool:
+        """Take in a rank's step; True when it went back (resumed from a checkpoint): the
+        run's step counts start over."""
         if total_steps:
             self.total_steps = total_steps
-        if rs.last_step is not None and step < rs.last_step:
-            self.rewind()  # resumed from a checkpoint: step counts start over
+        rewound = rs.last_step is not None and step < rs.last_step
+        if rewound:
+            self.rewind()
         rs.last_step = step
         rs.last_time = t
         if step > self.max_step:
@@ -106,6 +109,7 @@ class RunState:
                 del self.seen_steps[:MAX_SEEN_STEPS // 2]
                 del self.seen_times[:MAX_SEEN_STEPS // 2]
                 del self.seen_received[:MAX_SEEN_STEPS // 2]
+        return rewound
 
     @property
     def finished_steps(self) -> bool:

@@ -304,9 +304,10 @@ def _refuse_what_a_server_refuses(sql: str, user: "User", readonly: bool) -> Non
     over HTTP; and it runs every query as one user, so a readonly user's KILL QUERY would
     cancel the other users' queries and the loader's inserts (a server's readonly user
     without the KILL QUERY grant cannot). An INSERT's data is not looked at."""
-    if _INSERT.match(_words(sql[:65536])):
+    head = _words(sql[:65536])
+    if _INSERT.match(head):
         return
-    words = _words(sql)
+    words = head if len(sql) <= 65536 else _words(sql)
     if _INTO_OUTFILE.search(words):
         raise ClickHouseHttpError("INTO_OUTFILE_NOT_ALLOWED", "INTO OUTFILE is not allowed")
     if readonly and _KILL.match(words):
