@@ -12,6 +12,7 @@ import pytest
 
 from trainmon.consumers.alerts import AlertEngine, load_config
 from trainmon.consumers.alerts.grafana import GrafanaAnnotations, GrafanaForwarder
+from trainmon.stack_security import StackSecrets
 
 from .alerts_support import past_t0, synthetic_run
 from .grafana_stub import GrafanaStub
@@ -160,3 +161,44 @@ def test_grafana_forwarder_alone_serves_its_metrics_port(monkeypatch):
     monkeypatch.setenv("GRAFANA_TOKEN", TOKEN)
     assert service.main(["--only", "grafana", "--metrics-port", "9471"]) == 0
     assert seen.get("metrics_port") == 9471
+
+
+def test_an_operators_encrypted_or_wrong_tls_files_are_named_before_anything_starts(tmp_path, capsys):
+    """`up --tls-key` with a passphrase-protected key ended in cryptography's TypeError
+    traceback; a key or certificate that is not PEM, or a missing file, likewise."""
+    import datetime
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    from trainmon import stack
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "broker")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(1).not_valid_before(now).not_valid_after(now + datetime.timedelta(days=1))
+            .sign(key, hashes.SHA256()))
+    (tmp_path / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "locked.key").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(b"secret")))
+    (tmp_path / "plain.key").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    (tmp_path / "junk").write_text("not a pem\n")
+
+    def up(cert_file: str, key_file: str) -> str:
+        with pytest.raises(SystemExit) as exc:
+            stack.main(["up", "--dir", str(tmp_path / "stack"), "--tls-cert", str(tmp_path / cert_file),
+                        "--tls-key", str(tmp_path / key_file), "--tls-ca", str(tmp_path / "cert.pem")])
+        assert exc.value.code == 2
+        return capsys.readouterr().err
+
+    assert f"--tls-key {tmp_path / 'locked.key'} is encrypted" in up("cert.pem", "locked.key")
+    assert f"--tls-key {tmp_path / 'junk'} is not a PEM private key" in up("cert.pem", "junk")
+    assert f"--tls-cert {tmp_path / 'junk'} is not a PEM certificate" in up("junk", "plain.key")
+    assert f"--tls-key {tmp_path / 'missing'}: No such file" in up("cert.pem", "missing")
+    assert not (tmp_path / "stack").exists()  # refused before anything was made
+    assert StackSecrets.load_given(tmp_path / "cert.pem", tmp_path / "plain.key", tmp_path / "cert.pem")

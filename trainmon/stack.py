@@ -669,6 +669,11 @@ def main(argv: list[str] | None = None) -> int:
     tls = {k: getattr(args, f"tls_{k}") for k in ("cert", "key", "ca") if getattr(args, f"tls_{k}")}
     if tls and len(tls) != 3:
         parser.error("--tls-cert, --tls-key and --tls-ca go together")
+    if tls:
+        try:
+            StackSecrets.load_given(tls["cert"], tls["key"], tls["ca"])
+        except ValueError as exc:
+            parser.error(str(exc))
     layout = Layout(port=args.port, listen=args.listen, public_host=args.public_host, brokers=args.brokers)
     paging = {"TRAINMON_NOTIFY": " ".join(args.notify), "TRAINMON_ALERTMANAGER_URL": args.alertmanager or ""}
     paging = {name: value for name, value in paging.items() if value}

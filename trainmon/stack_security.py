@@ -97,10 +97,38 @@ class StackSecrets:
                     return False
         return True
 
+    @staticmethod
+    def load_given(cert: Path, key: Path, ca: Path):
+        """The operator's private key, after checking the three files are what Kafka needs;
+        ValueError naming the option and file otherwise."""
+        from cryptography import x509
+        from cryptography.hazmat.primitives import serialization
+
+        def read(option: str, path: Path) -> bytes:
+            try:
+                return Path(path).read_bytes()
+            except OSError as exc:
+                raise ValueError(f"{option} {path}: {exc.strerror or exc}") from None
+
+        for option, path in (("--tls-cert", cert), ("--tls-ca", ca)):
+            pem = read(option, path)
+            try:
+                x509.load_pem_x509_certificate(pem)
+            except ValueError:
+                raise ValueError(f"{option} {path} is not a PEM certificate") from None
+        pem = read("--tls-key", key)
+        try:
+            return serialization.load_pem_private_key(pem, password=None)
+        except TypeError:  # cryptography: "Password was not given but private key is encrypted"
+            raise ValueError(f"--tls-key {key} is encrypted: the broker starts unattended, give it "
+                             f"the key without a passphrase (openssl pkey -in {key} -out KEY)") from None
+        except ValueError:
+            raise ValueError(f"--tls-key {key} is not a PEM private key") from None
+
     def _take_given(self, cert: Path, key: Path, ca: Path) -> None:
         from cryptography.hazmat.primitives import serialization
 
-        private = serialization.load_pem_private_key(key.read_bytes(), password=None)
+        private = self.load_given(cert, key, ca)
         pkcs8 = private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                       serialization.NoEncryption())
         _write_private(self.broker_keystore, pkcs8 + cert.read_bytes())

@@ -26,6 +26,7 @@ for every rank of the node.
 from __future__ import annotations
 
 import json
+import socket
 import struct
 
 HELLO, ENTRY, ANSWERS, LAYOUT, VALUES = b"H", b"E", b"A", b"L", b"V"
@@ -183,14 +184,16 @@ def write(sock, unsent: bytearray, frame: bytes = b"") -> None:
     ``frame``; what the socket does not take stays in ``unsent``. A frame after nothing
     unsent goes to the socket as it is: at training rates that is every send, and
     copying it through the buffer costs a log call microseconds with cold caches. An
-    OSError other than a full socket is the caller's to handle."""
+    OSError other than a full socket (EPIPE: the peer is gone) is the caller's to handle."""
     if unsent:
         unsent += frame
         frame = unsent
     if not frame:
         return
     try:
-        written = sock.send(frame)
+        # MSG_NOSIGNAL: a peer gone is EPIPE here, never SIGPIPE, which kills a process
+        # whose SIGPIPE is at its default (a training script may set it so).
+        written = sock.send(frame, socket.MSG_NOSIGNAL)
     except (BlockingIOError, InterruptedError):
         written = 0
     if frame is unsent:

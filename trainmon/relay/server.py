@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 
 from ..kafka_client import Producer
 from ..kafka_client.producer import Delivery
+from ..kafka_client.relay_transport import _ANSWER_GRACE_S
 from ..schemas import MAX_MESSAGE_BYTES, MAX_RECORDS_PER_MESSAGE, SCHEMA_HEADER, count, pack, schema_fingerprint
 from . import frames
 from .values import Layout, LayoutRefused, layout_from_spec
@@ -59,6 +60,10 @@ _ANSWER_WAIT_S = 0.02  # the longest one wait for Kafka's answers keeps the rank
 # least every 64 messages or 10 s (producer/worker.py), some kilobytes; a peer that sends
 # and never reads is closed here instead of growing the relay's memory.
 MAX_UNREAD_ANSWER_BYTES = 8 << 20
+# Out of descriptors, the listener is watched again once a connection closes, or after
+# this long: the descriptors may be held elsewhere in the process (its Kafka client), with
+# no connection open to close.
+_ACCEPT_AGAIN_S = 1.0
 
 
 def default_socket_path(env: dict | None = None) -> str:
@@ -104,6 +109,11 @@ class Relay:
     def __init__(self, path: str, *, env: dict | None = None, bootstrap: str | None = None,
                  window_s: float = DEFAULT_WINDOW_S, delivery_timeout_ms: int = 5000,
                  close_timeout_s: float = 10.0, kafka: Producer | None = None):
+        # A rank waits for an answer Kafka's delivery timeout plus _ANSWER_GRACE_S, the
+        # relay's share: a window past it has every message given up on and sent again, for
+        # ever (and time.sleep refuses inf; NaN fails the test too).
+        if not 0 <= window_s < _ANSWER_GRACE_S:
+            raise ValueError(f"window_s must be from 0 to under {_ANSWER_GRACE_S:g} s, not {window_s!r}")
         self.path = path
         self.window_s = window_s
         self.close_timeout_s = close_timeout_s
@@ -125,6 +135,8 @@ class Relay:
         self._deliveries: list[tuple[Delivery, list[_Member]]] = []
         self._listener: socket.socket | None = None
         self._accepting = True  # the listener is watched (not while out of descriptors: _accept)
+        self._accept_again_at = 0.0  # (monotonic) when it is watched again, if not before
+        self._said_cannot_accept = False
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_w.setblocking(False)
         self._selector.register(self._wake_r, selectors.EVENT_READ, _WAKE)
@@ -197,6 +209,12 @@ class Relay:
             self._answer()  # (a message Kafka's client refused at once is answered now)
 
     def _take(self, timeout: float | None) -> None:
+        if not self._accepting:
+            wait = self._accept_again_at - time.monotonic()
+            if wait <= 0:
+                self._watch_listener()
+            else:
+                timeout = wait if timeout is None else min(timeout, wait)
         for key, events in self._selector.select(timeout):
             if key.data is None:
                 self._accept()
@@ -216,14 +234,25 @@ class Relay:
             return
         except OSError as exc:  # out of descriptors (EMFILE, ENFILE): the relay goes on
             # The listener stays readable while the rank waits: it is not watched (else the
-            # loop would spin) until a connection closes and frees a descriptor.
-            log.error("trainmon relay: cannot take a connection (%s); new ranks wait until one closes", exc)
+            # loop would spin) until a connection closes and frees a descriptor, or
+            # _ACCEPT_AGAIN_S passed (said once until a connection is taken again).
+            if not self._said_cannot_accept:
+                self._said_cannot_accept = True
+                log.error("trainmon relay: cannot take a connection (%s); new ranks wait until one closes", exc)
             self._selector.unregister(self._listener)
             self._accepting = False
+            self._accept_again_at = time.monotonic() + _ACCEPT_AGAIN_S
             return
+        self._said_cannot_accept = False
         sock.setblocking(False)
         self._selector.register(sock, selectors.EVENT_READ, _Connection(sock))
         self.stats.connections += 1
+
+    def _watch_listener(self) -> None:
+        """Watch the listener again, where it was not (_accept)."""
+        if not self._accepting and self._listener is not None:
+            self._selector.register(self._listener, selectors.EVENT_READ, None)
+            self._accepting = True
 
     def _read(self, conn: _Connection) -> None:
         try:
@@ -306,9 +335,7 @@ class Relay:
         except (KeyError, ValueError):
             pass
         conn.sock.close()
-        if not self._accepting and self._listener is not None:
-            self._selector.register(self._listener, selectors.EVENT_READ, None)
-            self._accepting = True
+        self._watch_listener()  # (a descriptor is free again)
         for group, members in list(self._pending.items()):
             members[:] = [m for m in members if m[0] is not conn]
             if not members:
@@ -459,12 +486,24 @@ def serve_metrics(relay: Relay, port: int, addr: str):
     return metrics
 
 
+def _window_ms(text: str) -> float:
+    """--window-ms: milliseconds the relay can wait out (Relay's window_s)."""
+    try:
+        window_ms = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of milliseconds: {text!r}") from None
+    if not 0 <= window_ms < _ANSWER_GRACE_S * 1000:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"{text}: must be from 0 to under {_ANSWER_GRACE_S * 1000:g}, "
+                                         "the ranks' wait for an answer beyond Kafka's")
+    return window_ms
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="trainmon relay", description=__doc__.splitlines()[0])
     parser.add_argument("--socket", default=None,
                         help="the Unix socket the node's ranks connect to (default: TRAINMON_RELAY, "
                              f"else {default_socket_path({})})")
-    parser.add_argument("--window-ms", type=float, default=DEFAULT_WINDOW_S * 1000,
+    parser.add_argument("--window-ms", type=_window_ms, default=DEFAULT_WINDOW_S * 1000,
                         help="how long a message waits for the other ranks' (default: %(default)s)")
     parser.add_argument("--metrics-port", type=int, default=os.environ.get("TRAINMON_METRICS_PORT") or None,
                         metavar="PORT", help="serve Prometheus metrics at http://ADDR:PORT/metrics (needs "
