@@ -67,6 +67,21 @@ def until_flushed(sink: ListSink, n: int, timeout: float = 30.0):
     return done
 
 
+class StopOrderSink(ListSink):
+    """Keeps the order of its close and stop calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list = []
+
+    def close(self, partitions):
+        self.calls.append(("close", sorted(partitions)))
+
+    def stop(self):
+        self.calls.append(("stop",))
+        super().stop()
+
+
 class HoldingSink(ListSink):
     """Says everything from offset ``hold_at`` on is not written yet (as a sink writing in
     the background does until its writes land)."""

@@ -17,7 +17,7 @@ from trainmon.consumers.stream import RecordStream
 from trainmon.schemas import pack
 
 from .conftest import committed_offsets, end_offsets, send_raw
-from .runtime_support import FAST, HoldingSink, ListSink, step_values, until_flushed
+from .runtime_support import FAST, HoldingSink, ListSink, StopOrderSink, step_values, until_flushed
 
 
 @pytest.fixture
@@ -97,3 +97,14 @@ def test_the_runtime_commits_only_what_pre_commit_says_is_written(bootstrap, top
         until_flushed(again, 20))
     assert [m.record.step for m in again.flushed] == list(range(10, 30))
     assert committed_offsets(bootstrap, group, step_topic)[0] == 3
+
+
+def test_a_stopped_sink_is_not_called_again_when_the_stream_closes(bootstrap, topic_prefix, step_topic):
+    """librdkafka's close revokes the assignment through the rebalance callback, after
+    run() stopped the sink: the stopped sink must not be asked to close partitions."""
+    send_raw(bootstrap, [(step_topic, b"rt", pack(step_values(5)), 0)])
+    sink = StopOrderSink()
+    runner = runtime.SinkRuntime(sink, stream_for(bootstrap, topic_prefix, f"rt-{uuid.uuid4().hex[:6]}"),
+                                 retry=FAST)
+    runner.run(until_flushed(sink, 5))
+    assert runner.closed and sink.calls == [("stop",)]

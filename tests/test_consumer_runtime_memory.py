@@ -24,7 +24,8 @@ from trainmon.kafka_client.memory_consumer import committed_offsets
 from trainmon.kafka_client.memory_transport import MemoryBroker
 from trainmon.schemas import pack
 
-from .runtime_support import FAST, HoldingSink, ListSink, cyclic_garbage, step_values, until_flushed
+from .runtime_support import (FAST, HoldingSink, ListSink, StopOrderSink, cyclic_garbage, step_values,
+                              until_flushed)
 
 PREFIX = "mem."
 STEP = topics.topic_for("step", PREFIX)
@@ -266,3 +267,26 @@ def test_puts_and_flushes_leave_nothing_for_the_cyclic_collector():
 
     assert cyclic_garbage(run, ("tenacity",)) == []
     assert sink.attempts >= 3
+
+
+def test_a_stopped_sink_is_not_called_again_when_the_stream_closes():
+    """Closing the stream revokes its partitions (librdkafka's close runs the revoke
+    callback; the memory consumer does the same): a sink already stopped must not be
+    asked to write what it holds of them after its stop() -- the ClickHouse loader's
+    close waits on a writer its stop() closed, and inserts again after a stop that gave
+    up on an outage."""
+    broker = broker_with(*packed(10))
+    sink = StopOrderSink()
+    runner = runtime.SinkRuntime(sink, stream_on(broker), retry=FAST)
+    runner.run(until_flushed(sink, 10))
+    assert runner.closed and sink.calls == [("stop",)]
+    assert committed_offsets(broker, "g") == {STEP_0: 1}
+
+
+def test_a_runtime_closed_without_stopping_its_sink_still_closes_the_partitions():
+    broker = broker_with(*packed(10))
+    sink = StopOrderSink()
+    runner = runtime.SinkRuntime(sink, stream_on(broker), retry=FAST)
+    runner.step()
+    runner.close()  # (as serve does when on_started raised: the sink was never stopped)
+    assert sink.calls == [("close", [STEP_0])]

@@ -96,3 +96,38 @@ def test_a_dead_letter_kafka_refuses_is_sent_again_and_nothing_is_committed_past
     assert len(broker.values(dead)) == 1
     assert list(committed_offsets(broker, "refused").values()) == [1]
     stream.close()
+
+
+def test_a_dead_letter_stays_within_kafkas_message_size_whatever_its_error_quotes():
+    """A record's decode error may quote the record (a field path holds its dict keys: a
+    900 kB step record whose ``losses`` keys are long gives a 900 kB reason). The dead
+    letter with that reason whole was over Kafka's message size: refused, sent again at
+    every commit and refused again, so the consumer never committed anything again."""
+    from trainmon.kafka_client import TopicPartition
+    from trainmon.kafka_client.memory_consumer import MemoryProducer, committed_offsets
+    from trainmon.kafka_client.producer import Delivery
+
+    class KafkasMessageSize(MemoryProducer):
+        max_bytes = 1_000_000  # librdkafka's message.max.bytes: Producer.send reports it failed
+
+        def send(self, topic, value, key=None, **kwargs):
+            if len(value) + len(key or b"") > self.max_bytes:
+                return Delivery(done=True, error="KafkaError: Broker: Message size too large")
+            return super().send(topic, value, key, **kwargs)
+
+    record = json.loads(encode(good_step(0)))
+    record["losses"] = {f"{'k' * 300_000}{i}": "not a number" for i in range(3)}
+    poison = json.dumps(record).encode()
+    assert len(poison) < 1_000_000  # a message Kafka took
+    broker = MemoryBroker()
+    broker.append(STEP, b"k", poison)
+    broker.append(STEP, b"k", encode(good_step(1)))
+    stream = MemoryRecordStream(broker, "big-reason", ["step"], topic_prefix=PREFIX)
+    stream._dead_letter_producer = lambda: KafkasMessageSize(broker)
+    got = stream.poll(timeout_ms=100)
+    assert [m.record.step for m in got] == [1] and stream.dead_letters == 1
+    stream.commit_polled()  # raised, retriable, at every try: the letter was refused each time
+    stream.close()
+    assert committed_offsets(broker, "big-reason") == {TopicPartition(STEP, 0): 2}
+    [letter] = [json.loads(v) for v in broker.values(topics.topic_for(topics.DEADLETTER, PREFIX))]
+    assert letter["offset"] == 0 and letter["error"].startswith("losses.kkk")

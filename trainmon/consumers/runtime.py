@@ -235,6 +235,7 @@ class SinkRuntime:
         self._next_commit_at = 0.0
         self._commit_backoff = Backoff(COMMIT_RETRY_S, self.retry.max_s)
         self._active_at = time.monotonic()  # the last record put, or joining the group
+        self._sink_stopped = False
         self.closed = False
         stream.consumer.listen(self._assigned, self._revoked)
         sink.start(SinkContext(self))
@@ -248,7 +249,11 @@ class SinkRuntime:
 
     def _revoked(self, partitions: list[TopicPartition]) -> None:
         self._owned.difference_update(partitions)
-        self.sink.close(partitions)
+        # Closing the stream revokes every partition (librdkafka's close runs this
+        # callback), after run() stopped the sink: a stopped sink is not called again
+        # (Kafka Connect skips the revocation of a stopped task the same way).
+        if not self._sink_stopped:
+            self.sink.close(partitions)
 
     # -- the loop ----------------------------------------------------------------------
 
@@ -311,6 +316,7 @@ class SinkRuntime:
             except RetriableError as exc:  # only once stopping: retries are unbounded before
                 log.warning("%s: stopped with a batch not written (%s); its records are not "
                             "committed and are read again at the next start", self.sink.name, exc)
+            self._sink_stopped = True
             self.sink.stop()  # also after that: a sink closes its handles either way
         finally:
             self.close()

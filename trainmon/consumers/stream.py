@@ -59,6 +59,10 @@ class RecordStream:
     # A dead letter keeps this much of the record's bytes (base64: a third more), so that it
     # stays within Kafka's message size (1 MB by default) whatever the record's size.
     DEAD_LETTER_VALUE_BYTES = 256 * 1024
+    # And this much of its error and key as text: an error may quote the record (a field
+    # path names its dict keys), and a dead letter over Kafka's size is refused for good,
+    # sent again at every commit, and nothing would be committed again.
+    DEAD_LETTER_TEXT_CHARS = 4096
     DEAD_LETTERS_WAIT_S = 10.0  # for Kafka to acknowledge the dead letters sent (settle_dead_letters)
 
     def __init__(self, group_id: str, kinds: Iterable[str] | None = None, *,
@@ -210,6 +214,8 @@ class RecordStream:
 
     def dead_letter(self, message: Message, error: str) -> None:
         """Publish a record we cannot use, with why, and keep going."""
+        if len(error) > self.DEAD_LETTER_TEXT_CHARS:
+            error = error[:self.DEAD_LETTER_TEXT_CHARS] + f"... ({len(error):,} characters)"
         self.dead_letters += 1
         self.dead_letters_by_kind[message.kind] = self.dead_letters_by_kind.get(message.kind, 0) + 1
         if self.dead_letters <= 5:
@@ -224,7 +230,7 @@ class RecordStream:
             "offset": message.offset,
             "index": message.index,
             "error": error,
-            "key": message.key.decode("utf-8", "replace") if message.key else None,
+            "key": message.key.decode("utf-8", "replace")[:self.DEAD_LETTER_TEXT_CHARS] if message.key else None,
             "value_base64": base64.b64encode((message.value or b"")[:self.DEAD_LETTER_VALUE_BYTES]).decode(),
         }
         if len(message.value or b"") > self.DEAD_LETTER_VALUE_BYTES:

@@ -215,7 +215,7 @@ class Consumer:
         if max_messages > 1:
             batch += consumer.consume(max_messages - 1, 0)
         out: list[RawMessage] = []
-        positions = self._positions
+        positions, assignment = self._positions, self._assignment
         for m in batch:
             error = m.error()
             if error is not None:
@@ -227,7 +227,13 @@ class Consumer:
                 log.debug("Kafka consumer: %s", error.str())
                 continue
             topic, partition, offset = m.topic(), m.partition(), m.offset()
-            positions[TopicPartition(topic, partition)] = offset + 1
+            tp = TopicPartition(topic, partition)
+            if tp not in assignment:
+                # Its partition was revoked later in this poll (consume serves rebalances
+                # too): dropped, and no position kept, which would outlive the revocation
+                # and say, once the partition is back, that it was read past this message.
+                continue
+            positions[tp] = offset + 1
             out.append(RawMessage(topic, partition, offset, m.key(), m.value(), m.timestamp()[1], m.headers()))
         return out
 

@@ -240,19 +240,25 @@ class MemoryConsumer:
         return set(self.broker.topics)
 
     def close(self) -> None:
-        """Leave the group: its partitions go to the others at their next poll (no
-        callbacks run here; the runtime has stopped its sink already)."""
+        """Leave the group: its partitions go to the others at their next poll. As
+        librdkafka's close does, the revoke callback runs first, for what it owns."""
         if self.closed:
             return
         self.closed = True
-        if self._group is not None:
+        if self._group is None:
+            self._assignment.clear()
+            return
+        try:
+            if self._assignment and self._on_revoke:
+                self._on_revoke(sorted(self._assignment))
+        finally:
             with _groups_lock:
                 if self in self._group.members:
                     self._group.members.remove(self)
                 for tp in self._assignment:
                     if self._group.owners.get(tp) is self:
                         del self._group.owners[tp]
-        self._assignment.clear()
+            self._assignment.clear()
 
 
 class MemoryProducer:
