@@ -111,3 +111,21 @@ def edge_job_records() -> list[Record]:
         step(3, number, second)
     out.append(RunRecord(**env(3, 370), event="end", status="success"))
     return out
+
+
+SAME_INSTANT_JOB = "same-instant"
+
+
+def same_instant_records() -> list[Record]:
+    """A run whose last two steps carry one timestamp (a log printing whole seconds, steps
+    faster than that): start at T0, steps 1-4 at +10, +20, +30, +30, a good end at +40."""
+    ids = count()
+
+    def env(second: float) -> dict:
+        return dict(run_id="same-instant-1", rank=0, world_size=1, host="node-0",
+                    time=T0 + timedelta(seconds=second), event_id=f"same-instant-{next(ids)}")
+
+    return [RunRecord(**env(0), event="start", job_id=SAME_INSTANT_JOB),
+            *(StepRecord(**env(second), step=number, loss=3.0)
+              for number, second in ((1, 10), (2, 20), (3, 30), (4, 30))),
+            RunRecord(**env(40), event="end", status="success")]

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.goodput_job import EDGE_JOB, JOB, T0, edge_job_records, job_records
+from tests.goodput_job import (EDGE_JOB, JOB, SAME_INSTANT_JOB, T0, edge_job_records, job_records,
+                               same_instant_records)
 from trainmon.consumers.clickhouse.goodput import CATEGORIES
 from trainmon.kafka_client.memory_transport import MemoryBroker
 from trainmon.producer import Producer, ProducerConfig
@@ -161,7 +162,7 @@ def loaded(tmp_path_factory) -> dict:
     db = str(tmp / "chdb")
     records = (job_records() + job_records((REQUEUED,) * 3, job_id=None) + relaunch_records()
                + job_records(("8-ranks-a", "8-ranks-b", "8-ranks-c"), job_id="8-ranks", ranks=8)
-               + edge_job_records())
+               + edge_job_records() + same_instant_records())
     wire = [[r.kind, encode(r).decode()] for r in records]
     commands = {"cli": ["goodput", "train-7b-b", "--daily"],  # a run id names its job
                 "report": ["report", "train-7b-c", "-o", str(tmp / "report.html")],
@@ -194,7 +195,8 @@ def test_a_requeued_job_under_one_run_id_is_split_into_the_same_runs(loaded):
     assert jobs == {"train-7b-a": JOB, "train-7b-b": JOB, "train-7b-c": JOB, REQUEUED: REQUEUED,
                     **{Path(name).stem: RELAUNCH for name in RELAUNCH_LOGS},
                     **{f"8-ranks-{x}": "8-ranks" for x in "abc"},
-                    **{f"edge-{n}": EDGE_JOB for n in (1, 2, 3)}}
+                    **{f"edge-{n}": EDGE_JOB for n in (1, 2, 3)},
+                    "same-instant-1": SAME_INSTANT_JOB}
     row = {r["job_id"]: r for r in loaded["goodput"]}[REQUEUED]
     assert seconds(row) == HAND and row["runs"] == 3
 
@@ -217,6 +219,15 @@ def test_durations_not_logged_a_kill_without_an_end_and_a_run_dead_in_start_up(l
     assert seconds(row) == {"productive_s": 30 + 20, "startup_s": 30, "checkpoint_s": 15,
                             "restart_s": 120 + 120, "hang_s": 0, "eval_s": 15, "lost_s": 20, "wall_s": 370}
     assert row["runs"] == 3
+
+
+def test_steps_logged_at_one_instant_count_the_tail_once(loaded):
+    """tests/goodput_job.py's same_instant_records: start-up 0 -> 10, training 10 -> 30 (the
+    interval between the two steps at +30 is 0 s), shutdown 30 -> 40, once: both steps at +30
+    are at the last step's time, but the tail follows only the last of them."""
+    row = {r["job_id"]: r for r in loaded["goodput"]}[SAME_INSTANT_JOB]
+    assert seconds(row) == {"productive_s": 20, "startup_s": 10 + 10, "checkpoint_s": 0, "restart_s": 0,
+                            "hang_s": 0, "eval_s": 0, "lost_s": 0, "wall_s": 40}
 
 
 def test_each_day_gets_the_pieces_that_end_on_it(loaded):

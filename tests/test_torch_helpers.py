@@ -223,6 +223,9 @@ def test_tflops_and_sol_percent():
     ("NVIDIA A100-SXM4-80GB", "A100"), ("NVIDIA A100 80GB PCIe", "A100"), ("Tesla T4", None),
     # Not an A100: its peak would make the SOL % ~100x too low.
     ("NVIDIA RTX A1000", None), ("NVIDIA RTX A1000 6GB Laptop GPU", None),
+    # MIG slices (CUDA's names for them): a fraction of the GPU's SMs, so not its peak.
+    ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", None), ("NVIDIA H100 80GB HBM3 MIG 3g.40gb", None),
+    ("NVIDIA H200 MIG 7g.141gb", None),
 ])
 def test_gpu_names_map_to_the_peak_table(name, family):
     assert gpu_family(name) == family
@@ -232,6 +235,7 @@ def test_peak_table_dtypes():
     assert peak_tflops("NVIDIA H200", "fp8") == 1979.0
     assert peak_tflops("NVIDIA A100-SXM4-40GB", "tf32") == 156.0
     assert peak_tflops("Tesla T4") is None
+    assert peak_tflops("NVIDIA A100-SXM4-40GB MIG 3g.20gb") is None
     with pytest.raises(ValueError, match="A100 has no fp8"):
         peak_tflops("NVIDIA A100-SXM4-80GB", "fp8")
     with pytest.raises(ValueError, match="fp16x"):

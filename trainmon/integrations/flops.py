@@ -44,8 +44,13 @@ DTYPES = ("tf32", "bf16", "fp8")
 
 def gpu_family(device_name: str) -> str | None:
     """Map a CUDA / NVML device name ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB",
-    "NVIDIA H100 PCIe") to a PEAK_TFLOPS key; None for a GPU not in the table."""
+    "NVIDIA H100 PCIe") to a PEAK_TFLOPS key; None for a GPU not in the table or a MIG
+    slice of one."""
     name = device_name.upper()
+    if re.search(r"\bMIG\b", name):
+        # a MIG slice ("NVIDIA A100-SXM4-40GB MIG 1g.5gb") has a fraction of the GPU's
+        # SMs: the whole GPU's peak would put its SOL % up to 7x too low
+        return None
     for chip in ("H200", "H100"):
         if chip in name:
             if "NVL" in name:

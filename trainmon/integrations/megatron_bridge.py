@@ -9,9 +9,12 @@ What Bridge hands its callbacks becomes trainmon records with Megatron's field n
   ``lm loss`` as the loss and every other entry in ``losses``, ``grad_norm`` -> norm,
   ``skipped_iter`` -> skipped, the lr of the optimizer's first param group, the fp16 loss
   scale (``optimizer.get_loss_scale()``), ``train_iters`` -> total_steps, consumed
-  samples, global batch x sequence length -> tokens per step, the wall time since the
-  previous step, and the named ``timers`` (``elapsed(reset=False)``, ms). MoE losses the
-  model reports (``load_balancing_loss``, ``z_loss``) go into a moe record as well;
+  samples (this step's batch included, as Megatron prints them: Bridge adds it after the
+  callback), global batch x sequence length -> tokens per step, the wall time from
+  ``on_train_step_start`` (evaluations and checkpoint saves between steps left out, as
+  Megatron's interval timer does), and the named ``timers`` (this step's time, ms). MoE
+  losses the model reports (``load_balancing_loss``, ``z_loss``) go into a moe record as
+  well;
 - ``on_eval_end``: an eval record from ``total_loss_dict`` (``lm loss``);
 - ``on_train_end``: the run end, then a flush.
 
@@ -64,15 +67,18 @@ class TrainmonCallback(ProducerOwner, _Base):
                  **producer_settings: Any):
         self._use_producer(producer, producer_settings)
         self._timers = timers
-        self._last_end: float | None = None
+        self._timer_totals: dict[str, float] = {}
+        self._step_start: float | None = None
 
     # -- Bridge's events ----------------------------------------------------------------
 
     def on_train_start(self, context) -> None:
         def start():
             self.producer.run_start(config=plain(_get(context.state, "cfg")) or {})
-            self._last_end = time.monotonic()
         self._guard("on_train_start", start)
+
+    def on_train_step_start(self, context) -> None:
+        self._step_start = time.monotonic()
 
     def on_train_step_end(self, context) -> None:
         self._guard("on_train_step_end", lambda: self._step(context))
@@ -111,23 +117,47 @@ class TrainmonCallback(ProducerOwner, _Base):
         if callable(getattr(context.optimizer, "get_loss_scale", None)):
             fields["loss_scale"] = _float(context.optimizer.get_loss_scale())
         fields["total_steps"] = _get(cfg, "train.train_iters")
-        fields["consumed_samples"] = _get(state, "train_state.consumed_train_samples")
         batch, seq = _get(cfg, "train.global_batch_size"), _get(cfg, "model.seq_length")
+        consumed = _get(state, "train_state.consumed_train_samples")
+        # Bridge adds the step's batch to consumed_train_samples after this callback;
+        # Megatron prints the count with it (iteration 1: one global batch, not 0)
+        fields["consumed_samples"] = consumed + batch if consumed is not None and batch else consumed
         if batch and seq:
             fields["global_batch_size"] = batch
             fields["step_tokens"] = batch * seq
-        now = time.monotonic()
-        if self._last_end is not None:
-            fields["duration_ms"] = (now - self._last_end) * 1000.0
-        self._last_end = now
+        # the step's own time: an evaluation or a checkpoint save runs between a step's end
+        # and the next one's start (Megatron stops its interval timer for both)
+        if self._step_start is not None:
+            fields["duration_ms"] = (time.monotonic() - self._step_start) * 1000.0
+            self._step_start = None
         timers = getattr(state, "timers", None)
         if self._timers and timers is not None:
-            fields["timers"] = {name: timers(name).elapsed(reset=False) * 1000.0 for name in self._timers}
+            fields["timers"] = self._timer_ms(timers) or None
         self.producer.log_step(step, **{k: v for k, v in fields.items() if v is not None or k == "loss"})
         moe = {MOE_LOSSES[k]: v for k, v in values.items() if k in MOE_LOSSES and v is not None}
         if moe:
             self.producer.log_moe_stats(step, aux_loss=moe.get("aux_loss"), z_loss=moe.get("z_loss"),
                                         expert_utilization=None, load_imbalance=None)
+
+    def _timer_ms(self, timers) -> dict[str, float]:
+        """This step's time of each named timer, ms. Megatron's elapsed() holds every step
+        since its last reset (timers.log, at the log interval): the step's time is the growth
+        of active_time(), which no reset touches. A timer Megatron has not made (not enabled
+        at this timing_log_level) is left out: ``timers(name)`` would hand back a DummyTimer,
+        whose elapsed() raises (the step record lost), or make it at log level 2, and
+        Megatron's own later call with its level then fails an assert."""
+        made = getattr(timers, "_timers", None)
+        out: dict[str, float] = {}
+        for name in self._timers:
+            timer = made.get(name) if isinstance(made, dict) else timers(name)
+            if timer is None:
+                continue
+            seconds = timer.elapsed(reset=False)  # (adds a running timer's stretch to active_time)
+            if callable(getattr(timer, "active_time", None)):
+                total = timer.active_time()
+                seconds, self._timer_totals[name] = total - self._timer_totals.get(name, 0.0), total
+            out[name] = seconds * 1000.0
+        return out
 
 
 __all__ = ["TrainmonCallback"]

@@ -161,6 +161,9 @@ attempt_level AS (
            countIf(has_mark) OVER a > 0 AS has_steps,
            minIf(t, has_mark) OVER a AS first_step_time,
            maxIf(t, has_mark) OVER a AS last_step_time,
+           -- the tail follows one slot: steps logged at the same instant (a log's coarse
+           -- timestamps) share the last step's time, and each would add the tail again
+           maxIf(slot, has_mark) OVER a AS last_step_slot,
            argMinIf(mark_step, t, has_mark) OVER a AS first_step,
            min(slot) OVER a AS first_slot,
            sumIf(save_known, NOT has_mark AND slot > 0) OVER a AS tail_save_known,
@@ -237,7 +240,7 @@ ARRAY JOIN arrayConcat(
     if(has_mark AND slot > 1,
        [('steps', prev_t, t, if(retrained, 0., trained), 0., save_k + save_x, 0., hang,
          eval_k + eval_x, if(retrained, trained, 0.))], []),
-    if(has_mark AND t = last_step_time,
+    if(has_mark AND slot = last_step_slot,
        [('tail', t, ended_at, 0., if(crashed, 0., tail_left), tail_save_k + tail_save_x, 0.,
          tail_hang, tail_eval_k + tail_eval_x, if(crashed, tail_left - tail_hang, 0.))], [])
 ) AS p
