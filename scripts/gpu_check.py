@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -31,6 +32,7 @@ from torch import nn
 
 from trainmon import topics
 from trainmon.integrations import nvml
+from trainmon.integrations.moe import moe_fields
 from trainmon.integrations.nvml import GpuSampler
 from trainmon.integrations.torch import allocator_fields, gpu_model_fields, step_fields
 from trainmon.kafka_client.memory_transport import MemoryBroker
@@ -261,6 +263,10 @@ def gpu_checks(records: dict, uuid: str, sampler: GpuSampler, result: dict, seco
         events.close()
     except Exception as exc:
         print(f"XID events: {type(exc).__name__}: {exc}")
+    logits = torch.randn(64, 8)  # MoE layers on two devices (pipeline stages, device_map="auto")
+    check("MoE stats of layers on the CPU and the GPU",
+          lambda: (math.isclose(moe_fields([logits, logits.cuda()])["layer_aux_loss"][1],
+                                moe_fields(logits)["aux_loss"], rel_tol=1e-5), ""))
     alloc_us = median_us(lambda: allocator_fields(None, None))
     print(f"torch.cuda.memory_stats -> allocator fields: {alloc_us:.0f} us")
     n.nvmlShutdown()

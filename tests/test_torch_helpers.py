@@ -194,6 +194,13 @@ def test_moe_bad_input_names_the_problem():
         moe_fields(torch.zeros(0, 2))
     with pytest.raises(ValueError, match="no router logits"):
         moe_fields([])
+    # A tensor without an experts dimension, or with none in it: named, not torch's
+    # reshape or topk error.
+    with pytest.raises(ValueError, match=r"at least one expert, got shape \[\]"):
+        moe_fields(torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"at least one expert, got shape \[4, 0\]"):
+        moe_fields(torch.zeros(4, 0))
+
 
 
 # -- FLOPs / SOL ------------------------------------------------------------------------

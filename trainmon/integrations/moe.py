@@ -30,6 +30,9 @@ RouterLogits = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 def _layer_stats(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     """[aux_loss, z_loss, utilization, imbalance] of one layer, on the logits' device."""
+    if logits.dim() < 2 or logits.shape[-1] == 0:
+        raise ValueError(f"router logits must be [tokens, experts] (or [batch, seq, experts]) with at "
+                         f"least one expert, got shape {list(logits.shape)}")
     experts = logits.shape[-1]
     logits = logits.detach().reshape(-1, experts).float()
     tokens = logits.shape[0]
@@ -55,7 +58,10 @@ def moe_fields(router_logits: RouterLogits, top_k: int = 1) -> dict[str, Any]:
     layers = [router_logits] if single else list(router_logits)
     if not layers:
         raise ValueError("no router logits given")
-    per_layer = torch.stack([_layer_stats(logits, top_k) for logits in layers]).tolist()
+    # Layers may sit on different GPUs (pipeline stages, HF's device_map="auto"): their
+    # four numbers meet on the first one's device, for one host sync.
+    device = layers[0].device
+    per_layer = torch.stack([_layer_stats(logits, top_k).to(device) for logits in layers]).tolist()
     aux, z, utilization, imbalance = (list(column) for column in zip(*per_layer))
     fields: dict[str, Any] = {
         "aux_loss": sum(aux) / len(aux),
