@@ -140,7 +140,7 @@ class _Asker:
     a fixed reading's value, and None for a query the GPU does not support (a fan on a
     passively cooled board). Measured on an H200 in a VM (scripts/gpu_check.py): the max
     clock cost 0.85 ms of CPU and the unsupported fan 0.11 ms per sample, of 6-8 ms in
-    all (the energy counter 2.8-3.7 ms, the two PCIe queries 0.56 ms each)."""
+    all (the energy counter 2.4-3.7 ms, the two PCIe queries 0.55 ms each)."""
 
     def __init__(self, known: dict[str, Any] | None):
         import pynvml
