@@ -31,3 +31,24 @@ def test_a_refusal_names_its_cause(said, cause):
 ])
 def test_an_outage_is_no_refusal(said):
     assert cause_of(said) is None
+
+
+def test_topics_kafka_does_not_create_in_time_are_a_kafka_error_naming_them(monkeypatch):
+    """The admin future's timeout is concurrent.futures' TimeoutError, not a
+    KafkaException: it went out raw, past every caller's `except KafkaError`."""
+    import concurrent.futures
+    from types import SimpleNamespace
+
+    from trainmon.kafka_client import admin
+    from trainmon.kafka_client.errors import KafkaError
+
+    class Unanswered:
+        def result(self, timeout):
+            raise concurrent.futures.TimeoutError()
+
+    fake = SimpleNamespace(list_topics=lambda timeout: SimpleNamespace(topics={}),
+                           create_topics=lambda new, operation_timeout: {t.topic: Unanswered() for t in new})
+    monkeypatch.setattr(admin, "_admin", lambda env, bootstrap: fake)
+    with pytest.raises(KafkaError, match=r"did not answer for t\.step within 2 s \(bootstrap h:1\)") as caught:
+        admin.create_topics(["t.step"], bootstrap="h:1", timeout_s=2)
+    assert caught.value.retriable

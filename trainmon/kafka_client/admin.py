@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import concurrent.futures
+
 from . import settings
 from .errors import KafkaError
 
@@ -42,6 +44,9 @@ def create_topics(names: list[str], partitions: int | None = None, *, env: dict 
             except KafkaException as exc:
                 if exc.args[0].name() != "TOPIC_ALREADY_EXISTS":
                     raise
+            except concurrent.futures.TimeoutError:  # (the future's own: not a KafkaException)
+                raise KafkaError(f"create topics: Kafka did not answer for {name} within {timeout_s:g} s "
+                                 f"(bootstrap {bootstrap or settings.bootstrap_servers(env)})", retriable=True) from None
         return created
     except KafkaException as exc:
         raise KafkaError(f"create topics: {exc}") from exc
