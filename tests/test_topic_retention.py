@@ -62,6 +62,16 @@ def test_a_bad_setting_is_refused_naming_the_variable(variable, value, said):
         topics.topic_config("step", env={variable: value})
 
 
+def test_a_retention_under_kafkas_units_is_refused_not_sent_as_zero():
+    """1e-9 hours is positive but 0 ms: retention.ms and segment.ms 0, which Kafka refuses
+    (segment.ms is at least 1) when the topics are made, far from the setting."""
+    with pytest.raises(ValueError, match="TRAINMON_TOPIC_RETENTION_HOURS=1e-09 is under a millisecond"):
+        topics.topic_config("step", env={"TRAINMON_TOPIC_RETENTION_HOURS": "1e-9"})
+    with pytest.raises(ValueError, match="TRAINMON_TOPIC_RETENTION_BYTES=0.5 is under a byte"):
+        topics.topic_config("alert", env={"TRAINMON_TOPIC_RETENTION_BYTES": "0.5"})
+    assert topics.topic_config("step", env={"TRAINMON_TOPIC_RETENTION_HOURS": "0.001"})["segment.ms"] == "3600"
+
+
 def test_the_brokers_defaults_are_the_topic_config(tmp_path, monkeypatch):
     """A topic made on first use (by a producer) gets what trainmon gives the topics it
     creates: `trainmon up`'s and `trainmon broker start`'s broker."""

@@ -101,6 +101,10 @@ def topic_config(kind: str | None = None, env: dict | None = None) -> dict[str, 
     compression = (env.get("TRAINMON_TOPIC_COMPRESSION") or DEFAULT_COMPRESSION).strip()
     if compression not in COMPRESSIONS:
         raise ValueError(f"TRAINMON_TOPIC_COMPRESSION={compression!r}: choose one of {', '.join(COMPRESSIONS)}")
+    if hours != -1 and int(hours * 3600 * 1000) < 1:  # (Kafka's segment.ms is at least 1)
+        raise ValueError(f"TRAINMON_TOPIC_RETENTION_HOURS={hours:g} is under a millisecond")
+    if size != -1 and int(size) < 1:
+        raise ValueError(f"TRAINMON_TOPIC_RETENTION_BYTES={size:g} is under a byte")
     if kind in KEPT_WHOLE:
         hours = size = -1
     config = {"compression.type": compression,
