@@ -202,3 +202,49 @@ def test_an_operators_encrypted_or_wrong_tls_files_are_named_before_anything_sta
     assert f"--tls-key {tmp_path / 'missing'}: No such file" in up("cert.pem", "missing")
     assert not (tmp_path / "stack").exists()  # refused before anything was made
     assert StackSecrets.load_given(tmp_path / "cert.pem", tmp_path / "plain.key", tmp_path / "cert.pem")
+
+
+def test_roundtrip_to_a_stacks_broker_uses_its_security_settings(monkeypatch, capsys):
+    """`trainmon roundtrip` against TRAINMON_KAFKA_BOOTSTRAP sent without the SASL / TLS
+    variables `trainmon up` prints: against a secured stack it could never connect."""
+    from types import SimpleNamespace
+
+    from trainmon import roundtrip
+
+    secured = {"TRAINMON_KAFKA_BOOTSTRAP": "stack:9094", "TRAINMON_KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+               "TRAINMON_KAFKA_SASL_MECHANISM": "SCRAM-SHA-512", "TRAINMON_KAFKA_SASL_USERNAME": "writer",
+               "TRAINMON_KAFKA_SASL_PASSWORD": "pw", "TRAINMON_KAFKA_SSL_CAFILE": "/ca.pem"}
+    for name, value in secured.items():
+        monkeypatch.setenv(name, value)
+    seen = {}
+
+    class Producer:
+        def __init__(self, config):
+            seen["producer"] = config.kafka
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: True
+
+    class Stream:
+        def __init__(self, group, topic_prefix, env):
+            seen["stream"] = env
+
+        def poll(self, timeout_ms):
+            return [SimpleNamespace(kind="run", record=None)] * 100  # (more than were sent: done)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(roundtrip, "Producer", Producer)
+    monkeypatch.setattr(roundtrip, "RecordStream", Stream)
+    assert roundtrip.main(["--ranks", "1", "--steps", "1"]) == 1  # (stand-ins: not what was sent)
+    security = {k: v for k, v in secured.items() if k != "TRAINMON_KAFKA_BOOTSTRAP"}
+    assert seen["producer"] == security
+    assert seen["stream"] == secured
+

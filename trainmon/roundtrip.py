@@ -15,6 +15,7 @@ from collections import Counter
 from . import topics
 from .broker import Broker
 from .consumers.stream import RecordStream
+from .kafka_client import settings as kafka_settings
 from .producer import Producer, ProducerConfig
 
 
@@ -38,11 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     run_id = f"roundtrip-{uuid.uuid4().hex[:6]}"
     prefix = f"rt{uuid.uuid4().hex[:6]}."
+    # A stack's broker (TRAINMON_KAFKA_BOOTSTRAP) may want its SASL / TLS settings, the
+    # TRAINMON_KAFKA_* variables `trainmon up` printed; the throwaway broker wants none.
+    security = kafka_settings.security_from(os.environ) if os.environ.get("TRAINMON_KAFKA_BOOTSTRAP") else {}
     with tempfile.TemporaryDirectory(prefix="trainmon-") as tmp, _bootstrap(tmp) as bootstrap:
         sent = 0
         for rank in range(args.ranks):
             with Producer(ProducerConfig(bootstrap=bootstrap, run_id=run_id, rank=rank,
-                                         world_size=args.ranks, topic_prefix=prefix,
+                                         world_size=args.ranks, topic_prefix=prefix, kafka=security,
                                          spill_dir=os.path.join(tmp, "spill"))) as producer:
                 producer.run_start(config={"lr": 3e-4})
                 for step in range(args.steps):
@@ -55,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"logged {sent} records from {args.ranks} ranks of run {run_id}")
 
         stream = RecordStream(f"roundtrip-{uuid.uuid4().hex[:6]}", topic_prefix=prefix,
-                              env={"TRAINMON_KAFKA_BOOTSTRAP": bootstrap})
+                              env={**security, "TRAINMON_KAFKA_BOOTSTRAP": bootstrap})
         received, deadline = [], time.monotonic() + 30
         while len(received) < sent and time.monotonic() < deadline:
             received.extend(stream.poll(timeout_ms=500))
