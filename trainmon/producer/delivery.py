@@ -32,8 +32,9 @@ log = logging.getLogger("trainmon.producer")
 # is away, so answers still missing after _ANSWERS_WITHIN_S are waited for.
 _BACKLOG_BATCH_BYTES = 8 << 20
 _ANSWERS_WITHIN_S = 10.0
-# An earlier producer's spill file left where it was (this one's disk full) is tried again
-# this often: each try reads up to a chunk of it (spill.CLAIM_CHUNK_BYTES).
+# An earlier producer's spill file left where it was (this one's disk full, or its owner
+# still exiting) is tried again this often: each try reads up to a chunk of it
+# (spill.CLAIM_CHUNK_BYTES); a locked file costs an open and a flock.
 ORPHANS_RETRY_S = 30.0
 
 
@@ -233,7 +234,12 @@ class Delivery:
         backlog, and each file is deleted once they are on disk here."""
         self.orphans_again_at = None
         try:
-            claim_orphans(self.spill_dir, self._keep_on_disk, own=self.spill.path)
+            if claim_orphans(self.spill_dir, self._keep_on_disk, own=self.spill.path):
+                # Another producer's file, locked: a rank beside this one, or the one this
+                # one restarted, still exiting. Looked at again, so that the latter's
+                # records leave once it is gone, not at the next start (there may be none).
+                again = time.monotonic() + ORPHANS_RETRY_S
+                self.orphans_again_at = min(self.orphans_again_at or again, again)
         except OSError as exc:  # an unreadable spill directory: nothing of earlier runs to send
             log.warning("trainmon: cannot read the spill directory %s: %s", self.spill_dir, exc)
 

@@ -21,8 +21,10 @@ machine that loses power can lose the file's last seconds.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
+import logging
 import os
 import threading
 import uuid
@@ -32,7 +34,10 @@ from typing import Callable
 from ..kafka_client.transport import Entry
 from ..schemas import count
 
+log = logging.getLogger("trainmon.producer")
+
 SUFFIX = ".spill"
+_COPY_CHUNK_BYTES = 8 << 20  # a rewrite copies the rest of the file this much at a time
 _COMPACTING = ".compacting"  # a file being rewritten; never claimed (its data is also in the .spill)
 
 
@@ -40,14 +45,20 @@ def _dump(entries: list[Entry]) -> str:
     return "".join(json.dumps([t, k.decode(), v.decode()]) + "\n" for t, k, v in entries)
 
 
-def _load(text: str) -> list[Entry]:
-    entries = []
-    for line in text.splitlines():
+def _load(data: bytes | str) -> list[Entry]:
+    entries, skipped = [], 0
+    for line in (data.encode() if isinstance(data, str) else data).splitlines():
+        # Line by line, decoding included: a torn last line from a crash mid-write, or a
+        # corrupt one (bytes that are not UTF-8 after a power loss, JSON that is not a
+        # record), is skipped, and the rest is still good. (Decoding the whole chunk at
+        # once, a bad byte raised out of the claim and stopped the sender thread.)
         try:
-            t, k, v = json.loads(line)
-        except ValueError:
-            continue  # a torn last line from a crash mid-write: the rest is still good
-        entries.append((t, k.encode(), v.encode()))
+            t, k, v = json.loads(line.decode())
+            entries.append((t, k.encode(), v.encode()))
+        except (ValueError, TypeError, AttributeError):
+            skipped += 1
+    if skipped:
+        log.warning("trainmon: skipped %d torn or corrupt line(s) of a spill file", skipped)
     return entries
 
 
@@ -129,7 +140,7 @@ class SpillFile:
                 end = data.rfind(b"\n") + 1
                 if end or not chunk:
                     break
-        entries = _load(data[:end].decode())
+        entries = _load(data[:end])
         self._read_end = self.head + end  # (only the sender thread reads and acknowledges)
         self._read_records = sum(count(value) for _, _, value in entries)
         return entries
@@ -157,12 +168,19 @@ class SpillFile:
         ones were in flight), atomically: a new file, locked, renamed over the old one.
         A kill before the rename leaves the old file, which sends the acknowledged part
         again; never a file without the rest."""
-        tail = os.pread(self._fd, size - offset, offset)
         temp = self.path.with_name(self.path.name + _COMPACTING)
         fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            _write_all(fd, tail)
+            # A chunk at a time, until all of it is copied: a read may return less than
+            # asked (Linux's at most 2 GiB - 4 KiB, and the rest after a long outage can be
+            # larger), and the rest would be renamed over the file without it.
+            while offset < size:
+                chunk = os.pread(self._fd, min(size - offset, _COPY_CHUNK_BYTES), offset)
+                if not chunk:
+                    raise OSError(errno.EIO, f"the spill file {self.path} ended at {offset} of {size} bytes")
+                _write_all(fd, chunk)
+                offset += len(chunk)
             os.replace(temp, self.path)
         except OSError:
             os.close(fd)
@@ -201,16 +219,18 @@ CLAIM_CHUNK_BYTES = 8 << 20
 
 
 def claim_orphans(directory: Path, keep: Callable[[list[Entry]], bool], own: Path | None = None,
-                  chunk_bytes: int = CLAIM_CHUNK_BYTES) -> None:
+                  chunk_bytes: int = CLAIM_CHUNK_BYTES) -> bool:
     """Hand the records of spill files whose owner is gone (their flock is free) to
     ``keep``, about ``chunk_bytes`` at a time, and delete each file once ``keep`` says all
     its records are on disk again (in the caller's own spill file). A file whose records
     could only be kept in memory stays, so that a kill now still loses nothing (at worst
     its records are sent twice). A rewrite's temporary file whose owner is gone is
-    removed (its records are in its .spill file)."""
+    removed (its records are in its .spill file). True where a file was left to an owner
+    that still lives (it may be exiting: a rank restarted before the old one was gone)."""
     directory = Path(directory)
+    owned = False
     if not directory.is_dir():
-        return
+        return owned
     for temp in directory.glob(f"*{SUFFIX}{_COMPACTING}"):
         _remove_if_unlocked(temp)
     for path in sorted(directory.glob(f"*{SUFFIX}")):
@@ -224,18 +244,20 @@ def claim_orphans(directory: Path, keep: Callable[[list[Entry]], bool], own: Pat
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
+                owned = True
                 continue  # a live producer owns it
             if os.fstat(fd).st_nlink == 0:
                 continue  # another producer claimed it, or its owner rewrote it, while we waited
             with open(fd, "rb", closefd=False) as f:
                 while lines := f.readlines(chunk_bytes):  # (whole lines, about chunk_bytes)
-                    entries = _load(b"".join(lines).decode())
+                    entries = _load(b"".join(lines))
                     if entries and not keep(entries):
                         break  # (what was kept so far is sent twice, after a later claim)
                 else:
                     path.unlink(missing_ok=True)
         finally:
             os.close(fd)
+    return owned
 
 
 def _remove_if_unlocked(path: Path) -> None:
