@@ -263,7 +263,9 @@ class GradNormBeyondClipRule(Rule, name="grad_norm_beyond_clip", config=GradNorm
             if not st.named:
                 bad = bad and own_median is not None and norm >= cfg.over_own * own_median
                 if bad:
-                    why = f"; {norm / own_median:.1f}x the median {sig4(own_median)} of its last {len(own)} norms"
+                    # (a median of 0: the rank's earlier norms were all 0, no ratio to give)
+                    over = f"{norm / own_median:.1f}x " if own_median > 0 else "above "
+                    why = f"; {over}the median {sig4(own_median)} of its last {len(own)} norms"
         if not bad:
             own.push(norm)
             return self.good(run, rank, step=r.step, t=t, value=norm)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 from pydantic import Field
 
@@ -11,7 +12,7 @@ from ..rule_config import RuleConfig, Severity
 from ..stats import RollingMedian
 from .base import history
 from .baseline import BaselineRule
-from .codec import windows
+from .codec import window, windows
 
 
 class IterationTimeSpike(RuleConfig):
@@ -24,16 +25,38 @@ class IterationTimeSpike(RuleConfig):
     fire_after: int = Field(3, ge=1)
 
 
+@dataclass(slots=True)
+class StepTimes:
+    window: RollingMedian = window("window")
+    batch: Optional[int] = None  # the global batch size of the latest step that logged one
+
+
 class IterationTimeSpikeRule(BaselineRule, name="iteration_time_spike", config=IterationTimeSpike):
+    """Step time against the run's own. A batch-size schedule makes steps slower by design
+    (4x the batch, some 4x the step time): steps of another batch size are no baseline,
+    and a slow step kept out of the window would hold the incident open for the rest of
+    the run. When the logged global batch size changes, the baseline starts again."""
+
     field, what = "duration_ms", "iteration time spike"
     restarts_with_steps = True  # (base.Rule)
     skip_inf = False  # an infinite step time is judged
+    rank_state = StepTimes
     fires_when = ("step time > {factor} x the median of the last {window} steps before the slow "
                   "ones (from {min_samples}: the first steps of a run are warm-up) on "
-                  "{fire_after.value} steps in a row; stays open while the steps stay slow")
+                  "{fire_after.value} steps in a row; stays open while the steps stay slow; a "
+                  "change of the logged `global_batch_size` starts the baseline again")
     catches = "steps several times slower, for a while"
     checked_on = ("silent on nanogpt-tinystories-50m-healthy.log (a 12 s eval/checkpoint iteration "
                   "every 250 of 0.6 s)")
+
+    def observe(self, r, t, run, rank):
+        batch = r.global_batch_size
+        if batch and r.duration_ms is not None:
+            st = rank.slot(self)
+            if st.batch is not None and batch != st.batch:  # another batch: another step time
+                st.window = RollingMedian(self.cfg.window)
+            st.batch = batch
+        return super().observe(r, t, run, rank)
 
     def judge(self, duration, w):
         med, n = w.median, len(w.values)
