@@ -152,8 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                 for p in model.parameters():  # injected: a grad spike on every rank
                     if p.grad is not None:
                         p.grad.mul_(40.0)
+            fields = step_fields(model)  # before clipping: the norm Megatron and HF log
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1000.0)
-            fields = step_fields(model)
             skipped = 0
             if math.isfinite(loss.item()):
                 optimizer.step()

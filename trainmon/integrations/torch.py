@@ -4,12 +4,14 @@
 
     tm.log_gpu_model(**gpu_model_fields())                  # once, at start (CUDA only)
     ...
+    fields = step_fields(model)                             # norm, num_zeros, params_norm, num_params
     clip_grad_norm_(model.parameters(), 1.0)
-    tm.log_step(step, step_tokens=n, duration_ms=ms, loss=loss.item(), lr=lr,
-                **step_fields(model))                       # norm, num_zeros, params_norm, num_params
+    tm.log_step(step, step_tokens=n, duration_ms=ms, loss=loss.item(), lr=lr, **fields)
     tm.log_allocator(step, **allocator_fields(model, optimizer))
 
-Called after clipping, ``norm`` is the norm after clipping, which is what StepRecord holds.
+Called before clipping, ``norm`` is the norm StepRecord holds: the one Megatron and the HF
+Trainer log (what ``clip_grad_norm_`` returns), in which a spike shows; after clipping it
+could never exceed the clip threshold.
 Each helper reads the device once (one host sync), whatever the number of parameters.
 """
 

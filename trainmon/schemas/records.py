@@ -110,7 +110,7 @@ class StepRecord(Record):
     # Megatron prints no loss for an interval whose iterations were all skipped (fp16
     # overflow): the step is still logged, with its skipped count.
     loss: Optional[float] = None
-    norm: Optional[float] = None  # global grad L2 norm after clipping
+    norm: Optional[float] = None  # global grad L2 norm before clipping (Megatron's, HF's grad_norm)
     lr: Optional[float] = None
     tokens_per_second: Optional[float] = Field(default=None, description=_rate_description("step_tokens"))
     # Megatron's optional fields.
