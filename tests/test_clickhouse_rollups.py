@@ -74,3 +74,70 @@ def test_rollups_match_the_exact_views_and_a_retried_batch_counts_once(tmp_path)
     assert out["buckets"] == [[3, 12]]  # 3 ranks in one 10-second bucket, 12 finite step times
     assert out["resent"] == [[4, 100.0, 120.0, 400]]  # extremes exact; rows and tokens count it twice
     assert out["resent_latest"] == [[0, 3], [1, 4], [2, 3]]
+
+
+GPU_CHILD = r"""
+import json, sys
+from datetime import datetime, timedelta, timezone
+from trainmon.consumers.clickhouse import Target, connect, create_all
+from trainmon.consumers.clickhouse.columns import insert_batch
+from trainmon.consumers.clickhouse.rollups import GPU_VALUES, gpu_standing
+from trainmon.schemas import GpuRecord
+
+T0 = datetime(2026, 4, 1, 8, 0, 0, tzinfo=timezone.utc)
+def gpu(rank, gid, second):
+    return GpuRecord(run_id="g", rank=rank, world_size=3, host=f"node-{rank}", time=T0 + timedelta(seconds=second),
+                     event_id=f"g-{rank}-{gid}-{second}", step=second, id=gid, clock=1500 + 10 * rank + second,
+                     max_clock=1980, power=400_000 + 50_000 * rank + 1000 * gid + second,
+                     power_limit=700_000 if (rank, gid) != (2, 1) else 0, temperature=50 + rank + gid,
+                     temp_slowdown=89, gpu_util=90 + gid, mem_util=40, dram_free=2**30 * (1 + rank),
+                     pcie_rx=1000 * second, pcie_tx=10, fan=0,
+                     throttle="hw_slowdown" if (rank, second) == (1, 25) else "sw_power_cap")
+client = connect(Target(path=sys.argv[1]))
+create_all(client)
+# 3 ranks x 2 GPUs every 5 s for 90 s: 10-second buckets, and two minutes.
+batch = [gpu(rank, gid, second) for second in range(0, 90, 5) for rank in range(3) for gid in range(2)]
+kafka = ("trainmon.gpu", 0, list(range(len(batch))))
+insert_batch(client, "gpu", batch, kafka=kafka, dedup_token="trainmon.gpu-0-0-1")
+insert_batch(client, "gpu", batch, kafka=kafka, dedup_token="trainmon.gpu-0-0-1")  # the loader's retry
+q = lambda sql: [list(r) for r in client.query(sql).result_rows]
+out = {}
+for name, (row, agg) in GPU_VALUES.items():
+    out[name] = {
+        "rollup": q(f"SELECT time, min({name}_min), max({name}_max), quantileBFloat16IfMerge(0.5)({name}_median) "
+                    f"FROM trainmon.gpu_10s WHERE run_id = 'g' GROUP BY time ORDER BY time"),
+        "exact": q(f"SELECT toStartOfInterval(time, INTERVAL 10 second) AS t, min({row}), max({row}), "
+                   f"quantileExactLow(0.5)({row}), quantileExactHigh(0.5)({row}) "
+                   f"FROM trainmon.gpu WHERE run_id = 'g' GROUP BY t ORDER BY t"),
+        "standing": q(f"SELECT rank, id, {gpu_standing(name)} FROM trainmon.gpu_rank_1m WHERE run_id = 'g' "
+                      "GROUP BY rank, id ORDER BY rank, id"),
+        "exact_standing": q(f"SELECT rank, id, {agg}({row}) FROM trainmon.gpu WHERE run_id = 'g' "
+                            "GROUP BY rank, id ORDER BY rank, id"),
+    }
+out = {"values": out, "rows": q("SELECT sum(power_w_count) FROM trainmon.gpu_rank_1m WHERE run_id = 'g'")}
+print(json.dumps(out, default=str))
+"""
+
+
+def test_gpu_rollups_match_the_gpu_rows_and_a_retried_batch_counts_once(tmp_path):
+    """gpu_10s (the GPU panels' distribution) and gpu_rank_1m (their standouts) against
+    the same numbers computed from the gpu rows: extremes and standings exact, medians
+    within bfloat16's 1 %, a NULL value (no power limit) left out, a batch inserted twice
+    counted once."""
+    done = subprocess.run([sys.executable, "-c", GPU_CHILD, str(tmp_path / "chdb")], capture_output=True,
+                          text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    assert out["rows"] == [[3 * 2 * 18]]  # every sample once, the retried batch not again
+    for name, got in out["values"].items():
+        assert len(got["rollup"]) == 9, name  # 90 s in 10-second buckets
+        for (t, lo, hi, median), (t_exact, lo_exact, hi_exact, low, high) in zip(got["rollup"], got["exact"]):
+            assert (t[:19], lo, hi) == (t_exact[:19], lo_exact, hi_exact), (name, t)
+            # (an even count has two middle values: either is the median)
+            assert low * 0.99 - 1e-9 <= median <= high * 1.01 + 1e-9, (name, t, median, low, high)
+        assert len(got["standing"]) == 6, name
+        for (rank, gid, standing), (_, _, exact) in zip(got["standing"], got["exact_standing"]):
+            if exact is None:  # rank 2's GPU 1 has no power limit: no share of it
+                assert standing is None and (name, rank, gid) == ("power_percent", 2, 1)
+            else:
+                assert math.isclose(standing, exact, rel_tol=1e-9), (name, rank, gid, standing, exact)

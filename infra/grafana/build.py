@@ -13,6 +13,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from trainmon.consumers.clickhouse.rollups import GPU_VALUES, THROTTLED, gpu_standing
+
 OUT = Path(__file__).resolve().parents[2] / "trainmon" / "grafana" / "dashboards"
 PLUGIN = "grafana-clickhouse-datasource"
 DATASOURCE = {"type": PLUGIN, "uid": "trainmon-clickhouse"}
@@ -21,9 +23,6 @@ DATASOURCE = {"type": PLUGIN, "uid": "trainmon-clickhouse"}
 # was read as an escape.
 RUN = "run_id = $$${run_id}$$"
 RANKS = "$__conditionalAll(rank IN (${rank:csv}), $rank)"
-# A gpu sample held down by something other than the power cap (alert rule gpu_throttle's
-# default): throttle lists the reasons comma separated, "" when none.
-THROTTLED = "arrayExists(r -> r NOT IN ('', 'sw_power_cap'), splitByChar(',', throttle))"
 # Series name of one GPU of one rank.
 GPU_SERIES = "concat('rank ', toString(rank), ' gpu ', toString(id))"
 
@@ -243,6 +242,23 @@ def per_gpu(row: str, agg: str, alias: str, worst: str = "max", where: str = "",
     return across(row, agg, table, alias, worst, key="rank, id", label=GPU_SERIES, where=where)
 
 
+def gpu_panel(name: str, alias: str, worst: str = "max") -> tuple[str, str, str]:
+    """Queries A, B, C of a GPU panel (``name`` of rollups.GPU_VALUES): each GPU's line
+    from the gpu rows; the distribution from gpu_10s; the standouts picked by their
+    standing in gpu_rank_1m, their lines from the gpu rows (a few GPUs: the key's rank
+    prefix finds them)."""
+    row, agg = GPU_VALUES[name]
+    lines = per_gpu(row, agg, alias, worst)[0]
+    distribution = bands(f"min({name}_min)", f"quantileBFloat16IfMerge(0.5)({name}_median)",
+                         f"max({name}_max)", "gpu_10s", alias)
+    order = "DESC" if worst == "max" else "ASC"
+    picked = (f"(rank, id) IN (SELECT rank, id FROM gpu_rank_1m WHERE {RUN} AND $__timeFilter(time) "
+              f"GROUP BY rank, id ORDER BY {gpu_standing(name)} {order} LIMIT {STANDOUTS})")
+    standouts = series(f"{agg}({row})", "gpu", label=GPU_SERIES, where=_and(DISTRIBUTION, picked),
+                       alias=alias)
+    return lines, distribution, standouts
+
+
 def by_segment(values: str) -> str:
     """Allocator memory per segment (weights, gradients, ...), the max over ranks per
     interval. Rows are grouped by their list of segment names first, so the element-wise
@@ -318,7 +334,7 @@ RUN_OVERVIEW = {
         timeseries("Learning rate", series("max(lr)", "step_stats", time="last_time", alias="lr")),
         timeseries("Grad norm", series("max(norm)", "step_stats", time="last_time", alias="grad norm"),
                    series("max(params_norm)", "step_stats", time="last_time", alias="params norm"),
-                   description="Global grad L2 norm (after clipping); the max over ranks."),
+                   description="Global grad L2 norm (before clipping, as Megatron and the HF Trainer log it); the max over ranks."),
         timeseries("Tokens / s", TOKENS_PER_SECOND,
                    description="Tokens of all ranks per step over the slowest rank's step time."),
         timeseries("TFLOPS per GPU and SOL %",
@@ -410,19 +426,19 @@ GPU_DASHBOARD = {
     "description": "NVML telemetry of every GPU: power, temperature, utilization, memory, "
                    "clocks and throttling.",
     "panels": [
-        timeseries("Power", *per_gpu("power / 1000", "avg", "W", worst="min"), unit="watt"),
-        timeseries("Power / limit", *per_gpu("power / nullIf(power_limit, 0) * 100", "avg", "% of limit", worst="min"),
+        timeseries("Power", *gpu_panel("power_w", "W", worst="min"), unit="watt"),
+        timeseries("Power / limit", *gpu_panel("power_percent", "% of limit", worst="min"),
                    unit="percent"),
-        timeseries("Temperature", *per_gpu("temperature", "max", "°C"), unit="celsius"),
-        timeseries("Degrees below slowdown", *per_gpu("temp_slowdown - temperature", "min", "°C", worst="min"),
+        timeseries("Temperature", *gpu_panel("temperature", "°C"), unit="celsius"),
+        timeseries("Degrees below slowdown", *gpu_panel("below_slowdown", "°C", worst="min"),
                    unit="celsius", description="Headroom to the slowdown threshold."),
-        timeseries("GPU utilization", *per_gpu("gpu_util", "avg", "%", worst="min"), unit="percent"),
-        timeseries("Memory-bus utilization", *per_gpu("mem_util", "avg", "%"), unit="percent"),
-        timeseries("Free GPU memory", *per_gpu("dram_free", "min", "bytes", worst="min"), unit="bytes"),
-        timeseries("SM clock", *per_gpu("clock", "avg", "MHz", worst="min"), unit="rotmhz"),
-        timeseries("PCIe", *per_gpu("pcie_rx", "avg", "rx"), *per_gpu("pcie_tx", "avg", "tx"),
+        timeseries("GPU utilization", *gpu_panel("gpu_util", "%", worst="min"), unit="percent"),
+        timeseries("Memory-bus utilization", *gpu_panel("mem_util", "%"), unit="percent"),
+        timeseries("Free GPU memory", *gpu_panel("dram_free", "bytes", worst="min"), unit="bytes"),
+        timeseries("SM clock", *gpu_panel("clock", "MHz", worst="min"), unit="rotmhz"),
+        timeseries("PCIe", *gpu_panel("pcie_rx", "rx"), *gpu_panel("pcie_tx", "tx"),
                    unit="Bps"),
-        timeseries("Throttled samples", *per_gpu(f"{THROTTLED} * 100", "avg", "%"),
+        timeseries("Throttled samples", *gpu_panel("throttled", "%"),
                    unit="percent", description=(
                        "Share of samples with a throttle reason other than the power cap "
                        "(sw_power_cap is how a busy GPU runs: a healthy H200 training run "

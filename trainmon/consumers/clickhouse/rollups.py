@@ -16,6 +16,8 @@ draw, aggregated when the rows are inserted:
 - ``rank_latest``: the step every rank logged last (1,024 rows for 1,024 ranks).
 - ``rank_10s``: per rank and 10-second bucket, step time and tokens/s sums and extremes
   (the step-time heatmap and "which ranks stand out" without touching the step rows).
+- ``gpu_10s`` and ``gpu_rank_1m``: the GPU panels' distribution over all GPUs per 10
+  seconds, and per GPU and minute what picks the standouts (GPU_VALUES below).
 
 Exactly once. A Kafka message reaches these tables once, like the step table: the loader
 inserts each partition's batch with a dedup token and
@@ -108,6 +110,54 @@ RANK_10S_COLUMNS = {
 }
 
 
+# -- GPU: the distribution over a big run's GPUs, and its standouts --------------------
+#
+# A gpu sample held down by something other than the power cap (alert rule gpu_throttle's
+# default): throttle lists the reasons comma separated, "" when none.
+THROTTLED = "arrayExists(r -> r NOT IN ('', 'sw_power_cap'), splitByChar(',', throttle))"
+# The GPU dashboard's values, one panel each (infra/grafana/build.py): name -> (the value
+# of one gpu row, how a GPU's values over a time range make its standing: avg, max or
+# min). At 16,384 ranks the gpu table holds 2 million rows of 20 minutes; the panels'
+# distribution and standouts read these rollups instead (6x and 40x fewer rows).
+GPU_VALUES = {
+    "power_w": ("power / 1000", "avg"),
+    "power_percent": ("power / nullIf(power_limit, 0) * 100", "avg"),
+    "temperature": ("temperature", "max"),
+    "below_slowdown": ("temp_slowdown - temperature", "min"),
+    "gpu_util": ("gpu_util", "avg"),
+    "mem_util": ("mem_util", "avg"),
+    "dram_free": ("dram_free", "min"),
+    "clock": ("clock", "avg"),
+    "pcie_rx": ("pcie_rx", "avg"),
+    "pcie_tx": ("pcie_tx", "avg"),
+    "throttled": (f"{THROTTLED} * 100", "avg"),
+}
+_GPU_ROWS = ("SELECT run_id, rank, id, toStartOfInterval(time, INTERVAL {seconds} second) AS bucket, "
+             + ", ".join(f"toNullable(toFloat64({row})) AS v_{name}" for name, (row, _) in GPU_VALUES.items())
+             + " FROM {{db}}.gpu")
+# gpu_10s: per run and 10 seconds, each value's min, median and max over the GPUs.
+GPU_10S_COLUMNS = {column: spec for name in GPU_VALUES for column, spec in {
+    f"{name}_min": ("SimpleAggregateFunction(min, Nullable(Float64))", f"min(v_{name})"),
+    f"{name}_max": ("SimpleAggregateFunction(max, Nullable(Float64))", f"max(v_{name})"),
+    f"{name}_median": ("AggregateFunction(quantileBFloat16If(0.5), Float64, UInt8)",
+                       f"quantileBFloat16IfState(0.5)(assumeNotNull(v_{name}), isNotNull(v_{name}))"),
+}.items()}
+# gpu_rank_1m: per run, GPU and minute, what its standing needs (sum and count for avg).
+GPU_STANDING = {"avg": {"sum": ("SimpleAggregateFunction(sum, Float64)", "sum(ifNull(v_{0}, 0))"),
+                        "count": ("SimpleAggregateFunction(sum, UInt64)", "count(v_{0})")},
+                "max": {"max": ("SimpleAggregateFunction(max, Nullable(Float64))", "max(v_{0})")},
+                "min": {"min": ("SimpleAggregateFunction(min, Nullable(Float64))", "min(v_{0})")}}
+GPU_RANK_1M_COLUMNS = {f"{name}_{part}": (kind, expr.format(name))
+                       for name, (_, agg) in GPU_VALUES.items() for part, (kind, expr) in GPU_STANDING[agg].items()}
+
+
+def gpu_standing(name: str) -> str:
+    """A GPU's standing over the rows of gpu_rank_1m it is read from."""
+    agg = GPU_VALUES[name][1]
+    return {"avg": f"sum({name}_sum) / nullIf(sum({name}_count), 0)", "max": f"max({name}_max)",
+            "min": f"min({name}_min)"}[agg]
+
+
 def _rollup(db: str, name: str, keys: dict[str, tuple[str, str]], columns: dict[str, tuple[str, str]],
             source: str) -> tuple[str, str, str]:
     """CREATE TABLE, CREATE MATERIALIZED VIEW, and the backfill INSERT of one rollup."""
@@ -137,4 +187,13 @@ def rollups(db: str) -> dict[str, tuple[str, str, str]]:
                              "time": ("DateTime('UTC')", "bucket"),
                              "rank": ("Int64", "rank")},
                             RANK_10S_COLUMNS, _STEP_ROWS_10S),
+        "gpu_10s": _rollup(db, "gpu_10s",
+                           {"run_id": ("LowCardinality(String)", "run_id"),
+                            "time": ("DateTime('UTC')", "bucket")},
+                           GPU_10S_COLUMNS, _GPU_ROWS.format(seconds=10)),
+        "gpu_rank_1m": _rollup(db, "gpu_rank_1m",
+                               {"run_id": ("LowCardinality(String)", "run_id"),
+                                "time": ("DateTime('UTC')", "bucket"),
+                                "rank": ("Int64", "rank"), "id": ("Int64", "id")},
+                               GPU_RANK_1M_COLUMNS, _GPU_ROWS.format(seconds=60)),
     }

@@ -74,7 +74,7 @@ def migrate_table(client, kind: str, database: str) -> list[str]:
 
 def create_rollups(client, database: str) -> list[str]:
     """Create the rollup tables and their views; a table created now is filled from the
-    rows already in the step table (once: the view feeds it from then on). Returns the
+    rows already in its record table (once: the view feeds it from then on). Returns the
     names of the tables created. Run before the loader starts inserting (as the services
     do), or rows inserted between the view's creation and the backfill count twice."""
     created = []
@@ -105,7 +105,7 @@ def _readable(client, probe: str) -> bool:
 
 
 def drop_views(client, database: str) -> None:
-    """Detach the rollups from the step table (to retype a column they read);
+    """Detach the rollups from the record tables (to retype a column they read);
     :func:`create_rollups` attaches them again."""
     for name in rollups(database):
         client.command(f"DROP VIEW IF EXISTS {database}.{name}_mv")
