@@ -141,3 +141,51 @@ def test_gpu_rollups_match_the_gpu_rows_and_a_retried_batch_counts_once(tmp_path
                 assert standing is None and (name, rank, gid) == ("power_percent", 2, 1)
             else:
                 assert math.isclose(standing, exact, rel_tol=1e-9), (name, rank, gid, standing, exact)
+
+
+ALLOCATOR_CHILD = r"""
+import json, sys
+from datetime import datetime, timedelta, timezone
+from trainmon.consumers.clickhouse import Target, connect, create_all
+from trainmon.consumers.clickhouse.columns import insert_batch
+from trainmon.schemas import AllocatorRecord
+
+T0 = datetime(2026, 4, 1, 8, 0, 0, tzinfo=timezone.utc)
+def allocator(rank, second, step):
+    segments = [{"name": n, "device": 1000 * rank + 10 * i + second, "managed": 0, "pinned": rank,
+                 "pageable": second} for i, n in enumerate(("weights", "gradients", "optimizer"))]
+    if rank == 2:
+        segments.reverse()  # a producer listing its segments in another order
+    return AllocatorRecord(run_id="a", rank=rank, world_size=3, host="h", time=T0 + timedelta(seconds=second),
+                           event_id=f"a-{rank}-{second}", step=step, stats=segments, allocated=1)
+client = connect(Target(path=sys.argv[1]))
+create_all(client)
+batch = [allocator(r, s, s) for s in range(0, 30, 5) for r in range(3)]  # 3 ranks every 5 s for 30 s
+insert_batch(client, "allocator", batch, kafka=("trainmon.allocator", 0, list(range(len(batch)))),
+             dedup_token="trainmon.allocator-0-0-1")
+q = lambda sql: [list(r) for r in client.query(sql).result_rows]
+segments = ("SELECT time, series, max(v) FROM (SELECT {t} AS time, {names} AS names, {m} AS m FROM trainmon.{table} "
+            "WHERE run_id = 'a' GROUP BY time, names) ARRAY JOIN names AS series, m AS v "
+            "GROUP BY time, series ORDER BY time, series")
+out = {
+    "rollup": q(segments.format(t="time", names="names", m="maxForEachMerge(device)", table="allocator_10s")),
+    "exact": q(segments.format(t="toStartOfInterval(time, INTERVAL 10 second)", names="stats.name",
+                               m="maxForEach(stats.device)", table="allocator")),
+    "host": q(segments.format(t="time", names="names", m="maxForEachMerge(host)", table="allocator_10s")),
+    "host_exact": q(segments.format(t="toStartOfInterval(time, INTERVAL 10 second)", names="stats.name",
+                                    m="maxForEach(arrayMap((p, q) -> p + q, stats.pinned, stats.pageable))",
+                                    table="allocator")),
+}
+print(json.dumps(out, default=str))
+"""
+
+
+def test_allocator_rollups_match_the_allocator_rows(tmp_path):
+    """allocator_10s (Memory by segment for every rank of a big run) against the same
+    numbers from the allocator rows, segments listed in different orders."""
+    done = subprocess.run([sys.executable, "-c", ALLOCATOR_CHILD, str(tmp_path / "chdb")], capture_output=True,
+                          text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    assert out["rollup"] == out["exact"] and len(out["rollup"]) == 3 * 3  # 3 buckets x 3 segments
+    assert out["host"] == out["host_exact"]

@@ -259,18 +259,23 @@ def gpu_panel(name: str, alias: str, worst: str = "max") -> tuple[str, str, str]
     return lines, distribution, standouts
 
 
-def by_segment(values: str) -> str:
+def by_segment(values: str, rollup_column: str) -> tuple[str, str]:
     """Allocator memory per segment (weights, gradients, ...), the max over ranks per
-    interval. Rows are grouped by their list of segment names first, so the element-wise
-    max lines up names and values even if producers list segments in different orders."""
-    return ("SELECT time, series, max(v) AS \"bytes\"\n"
-            "FROM (\n"
-            f"    SELECT $__timeInterval(time) AS time, stats.name AS names, maxForEach({values}) AS m\n"
-            "    FROM allocator\n"
-            f"    WHERE {RUN} AND $__timeFilter(time) AND {RANKS}\n"
-            "    GROUP BY time, names\n)\n"
-            "ARRAY JOIN names AS series, m AS v\n"
-            "GROUP BY time, series\nORDER BY time")
+    interval: from the allocator rows for the ranks picked or a small run, from
+    allocator_10s (its ``rollup_column``) for every rank of a big one. Rows are grouped by
+    their list of segment names first, so the element-wise max lines up names and values
+    even if producers list segments in different orders."""
+    def query(names: str, m: str, table_: str, where: str) -> str:
+        return ("SELECT time, series, max(v) AS \"bytes\"\n"
+                "FROM (\n"
+                f"    SELECT $__timeInterval(time) AS time, {names} AS names, {m} AS m\n"
+                f"    FROM {table_}\n"
+                f"    WHERE {RUN} AND $__timeFilter(time) AND {where}\n"
+                "    GROUP BY time, names\n)\n"
+                "ARRAY JOIN names AS series, m AS v\n"
+                "GROUP BY time, series\nORDER BY time")
+    return (query("stats.name", f"maxForEach({values})", "allocator", _and(RANKS, LINES)),
+            query("names", f"maxForEachMerge({rollup_column})", "allocator_10s", DISTRIBUTION))
 
 
 def mean(column: str) -> str:
@@ -500,10 +505,10 @@ MEMORY_DASHBOARD = {
                    description="Held by the caching allocator; reserved - allocated is cache."),
         timeseries("Inactive (fragmentation)", *per_rank("inactive", "max", "allocator", "inactive"),
                    unit="bytes"),
-        timeseries("Memory by segment (device)", by_segment("stats.device"), unit="bytes", stack=True,
-                   description="weights / gradients / optimizer / activations, max over ranks."),
+        timeseries("Memory by segment (device)", *by_segment("stats.device", "device"), unit="bytes",
+                   stack=True, description="weights / gradients / optimizer / activations, max over ranks."),
         timeseries("Memory by segment (host)",
-                   by_segment("arrayMap((p, q) -> p + q, stats.pinned, stats.pageable)"),
+                   *by_segment("arrayMap((p, q) -> p + q, stats.pinned, stats.pageable)", "host"),
                    unit="bytes", stack=True, description="Pinned plus pageable host memory."),
         stat("Allocation retries", f"SELECT max(alloc_retries) FROM allocator WHERE {RUN}",
              description="cudaMalloc retries after freeing cache: a sign of memory pressure."),

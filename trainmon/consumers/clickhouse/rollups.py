@@ -18,6 +18,8 @@ draw, aggregated when the rows are inserted:
   (the step-time heatmap and "which ranks stand out" without touching the step rows).
 - ``gpu_10s`` and ``gpu_rank_1m``: the GPU panels' distribution over all GPUs per 10
   seconds, and per GPU and minute what picks the standouts (GPU_VALUES below).
+- ``allocator_10s``: the Memory panels' largest bytes per segment over the ranks per 10
+  seconds.
 
 Exactly once. A Kafka message reaches these tables once, like the step table: the loader
 inserts each partition's batch with a dedup token and
@@ -158,6 +160,23 @@ def gpu_standing(name: str) -> str:
             "min": f"min({name}_min)"}[agg]
 
 
+# -- allocator: memory by segment over a big run's ranks, and each rank's latest ----------
+#
+# At 16,384 ranks the allocator table holds a million rows of 20 minutes; the Memory
+# dashboard's segment panels read this when it shows every rank of a big run. (Each
+# rank's latest segments from an argMax rollup were no faster, 120-140 ms: merging
+# 16,384 states of four arrays costs what reading the latest rows does.)
+_ALLOCATOR_ROWS = ("SELECT *, toStartOfInterval(time, INTERVAL 10 second) AS bucket, "
+                   "CAST(stats.name, 'Array(String)') AS names, "
+                   "arrayMap((p, q) -> p + q, stats.pinned, stats.pageable) AS host_bytes FROM {db}.allocator")
+# allocator_10s: per run, 10 seconds and list of segment names (producers may list them in
+# different orders), each segment's largest device and host bytes over the ranks.
+ALLOCATOR_10S_COLUMNS = {
+    "device": ("AggregateFunction(maxForEach, Array(Int64))", "maxForEachState(stats.device)"),
+    "host": ("AggregateFunction(maxForEach, Array(Int64))", "maxForEachState(host_bytes)"),
+}
+
+
 def _rollup(db: str, name: str, keys: dict[str, tuple[str, str]], columns: dict[str, tuple[str, str]],
             source: str) -> tuple[str, str, str]:
     """CREATE TABLE, CREATE MATERIALIZED VIEW, and the backfill INSERT of one rollup."""
@@ -196,4 +215,9 @@ def rollups(db: str) -> dict[str, tuple[str, str, str]]:
                                 "time": ("DateTime('UTC')", "bucket"),
                                 "rank": ("Int64", "rank"), "id": ("Int64", "id")},
                                GPU_RANK_1M_COLUMNS, _GPU_ROWS.format(seconds=60)),
+        "allocator_10s": _rollup(db, "allocator_10s",
+                                 {"run_id": ("LowCardinality(String)", "run_id"),
+                                  "time": ("DateTime('UTC')", "bucket"),
+                                  "names": ("Array(String)", "names")},
+                                 ALLOCATOR_10S_COLUMNS, _ALLOCATOR_ROWS),
     }
