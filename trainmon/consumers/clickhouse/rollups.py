@@ -160,7 +160,7 @@ def gpu_standing(name: str) -> str:
             "min": f"min({name}_min)"}[agg]
 
 
-# -- allocator: memory by segment over a big run's ranks, and each rank's latest ----------
+# -- allocator: memory by segment over a big run's ranks ---------------------------------
 #
 # At 16,384 ranks the allocator table holds a million rows of 20 minutes; the Memory
 # dashboard's segment panels read this when it shows every rank of a big run. (Each
