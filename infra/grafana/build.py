@@ -339,7 +339,8 @@ RUN_OVERVIEW = {
         timeseries("Learning rate", series("max(lr)", "step_stats", time="last_time", alias="lr")),
         timeseries("Grad norm", series("max(norm)", "step_stats", time="last_time", alias="grad norm"),
                    series("max(params_norm)", "step_stats", time="last_time", alias="params norm"),
-                   description="Global grad L2 norm (before clipping, as Megatron and the HF Trainer log it); the max over ranks."),
+                   description="Global grad L2 norm (before clipping, as Megatron and the HF Trainer "
+                               "log it); the max over ranks."),
         timeseries("Tokens / s", TOKENS_PER_SECOND,
                    description="Tokens of all ranks per step over the slowest rank's step time."),
         timeseries("TFLOPS per GPU and SOL %",
