@@ -41,7 +41,7 @@ def own_broker(tmp_path):
 
 def spilled_records(directory: Path) -> int:
     return sum(count(value) for path in directory.glob(f"*{SUFFIX}")
-               for _, _, value in _load(path.read_text()))
+               for _, _, value in _load(path.read_bytes()))
 
 
 def read_line(proc: subprocess.Popen, timeout: float) -> str:

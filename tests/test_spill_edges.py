@@ -9,29 +9,12 @@ import os
 import pytest
 
 from trainmon.kafka_client.memory_transport import MemoryBroker
-from trainmon.producer import Producer, ProducerConfig, delivery, worker
+from trainmon.producer import delivery
 from trainmon.producer.spill import SpillFile
-from trainmon.schemas import pack, unpack
 
+# (quick_answers: that module's autouse fixture, which these tests need as much)
+from .test_producer_backlog_memory import entry, producer_for, quick_answers, steps_in  # noqa: F401
 from .waiting import wait_until
-
-
-@pytest.fixture(autouse=True)
-def quick_answers(monkeypatch):
-    monkeypatch.setattr(worker, "_ANSWER_WAIT_S", 0.1)
-    monkeypatch.setattr(worker, "_SERVE_EVERY_S", 0.1)
-
-
-def entry(*records: str) -> tuple[str, bytes, bytes]:
-    return ("t", b"k", pack([r.encode() for r in records]))
-
-
-def steps_in(broker: MemoryBroker, topic: str = "trainmon.step") -> list[bytes]:
-    return [record for value in broker.values(topic) for record in unpack(value)]
-
-
-def producer_for(broker: MemoryBroker, spill_dir, **config) -> Producer:
-    return Producer(ProducerConfig(run_id="mem", spill_dir=spill_dir, **config), transport=broker.transport)
 
 
 def orphan_with(spill_dir, entries, tail: bytes) -> SpillFile:
@@ -54,7 +37,7 @@ def test_a_corrupt_tail_of_an_orphan_is_skipped_and_its_records_sent(tmp_path, t
     spill_dir = tmp_path / "spill"
     orphan = orphan_with(spill_dir, [entry('{"a":1}'), entry('{"a":2}')], tail)
     broker = MemoryBroker()
-    producer = producer_for(broker, spill_dir)
+    producer = producer_for(broker, tmp_path)
     with caplog.at_level(logging.WARNING, logger="trainmon"):
         producer.log_step(0, loss=1.0)
         assert producer.flush(10)
@@ -92,7 +75,7 @@ def test_a_spill_file_whose_owner_still_lived_at_start_is_claimed_once_it_exits(
     old = SpillFile(spill_dir, "mem.0")  # (its own open file: locked against the new one's)
     old.append([entry('{"a":1}'), entry('{"a":2}')])
     broker = MemoryBroker()
-    producer = producer_for(broker, spill_dir)
+    producer = producer_for(broker, tmp_path)
     producer.log_step(0, loss=1.0)
     assert producer.flush(10)
     assert steps_in(broker, "t") == [] and old.path.exists()  # not stolen from a live owner

@@ -39,7 +39,7 @@ log = logging.getLogger("trainmon.producer")
 _MAX_UNSENT_BYTES = 8 << 20
 # The relay answers within Kafka's delivery timeout; this much more is the relay's own
 # share (its pack window, its loop) before an unanswered message counts as lost.
-_ANSWER_GRACE_S = 5.0
+ANSWER_GRACE_S = 5.0
 
 Encode = Callable[[str, bytes, tuple], "Entry | None"]  # the worker's encoder: a log call's values -> its entry
 
@@ -70,7 +70,7 @@ class RelayTransport:
         # size the encoder checks: a record's JSON is at most its layout frame (names,
         # envelope), 32 bytes a value and 4 KiB (time, id, the model's defaults).
         self._max_layout_bytes = config.max_message_bytes // 2
-        self._answer_within_s = config.delivery_timeout_ms / 1000 + _ANSWER_GRACE_S
+        self._answer_within_s = config.delivery_timeout_ms / 1000 + ANSWER_GRACE_S
         self._sock: socket.socket | None = None
         self._unsent = bytearray()
         self._received = bytearray()

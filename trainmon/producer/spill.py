@@ -45,9 +45,9 @@ def _dump(entries: list[Entry]) -> str:
     return "".join(json.dumps([t, k.decode(), v.decode()]) + "\n" for t, k, v in entries)
 
 
-def _load(data: bytes | str) -> list[Entry]:
+def _load(data: bytes) -> list[Entry]:
     entries, skipped = [], 0
-    for line in (data.encode() if isinstance(data, str) else data).splitlines():
+    for line in data.splitlines():
         # Line by line, decoding included: a torn last line from a crash mid-write, or a
         # corrupt one (bytes that are not UTF-8 after a power loss, JSON that is not a
         # record), is skipped, and the rest is still good. (Decoding the whole chunk at

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 
 from ..kafka_client import Producer
 from ..kafka_client.producer import Delivery
-from ..kafka_client.relay_transport import _ANSWER_GRACE_S
+from ..kafka_client.relay_transport import ANSWER_GRACE_S
 from ..schemas import MAX_MESSAGE_BYTES, MAX_RECORDS_PER_MESSAGE, SCHEMA_HEADER, count, pack, schema_fingerprint
 from . import frames
 from .values import Layout, LayoutRefused, layout_from_spec
@@ -109,11 +109,11 @@ class Relay:
     def __init__(self, path: str, *, env: dict | None = None, bootstrap: str | None = None,
                  window_s: float = DEFAULT_WINDOW_S, delivery_timeout_ms: int = 5000,
                  close_timeout_s: float = 10.0, kafka: Producer | None = None):
-        # A rank waits for an answer Kafka's delivery timeout plus _ANSWER_GRACE_S, the
+        # A rank waits for an answer Kafka's delivery timeout plus ANSWER_GRACE_S, the
         # relay's share: a window past it has every message given up on and sent again, for
         # ever (and time.sleep refuses inf; NaN fails the test too).
-        if not 0 <= window_s < _ANSWER_GRACE_S:
-            raise ValueError(f"window_s must be from 0 to under {_ANSWER_GRACE_S:g} s, not {window_s!r}")
+        if not 0 <= window_s < ANSWER_GRACE_S:
+            raise ValueError(f"window_s must be from 0 to under {ANSWER_GRACE_S:g} s, not {window_s!r}")
         self.path = path
         self.window_s = window_s
         self.close_timeout_s = close_timeout_s
@@ -492,8 +492,8 @@ def _window_ms(text: str) -> float:
         window_ms = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number of milliseconds: {text!r}") from None
-    if not 0 <= window_ms < _ANSWER_GRACE_S * 1000:  # (NaN too)
-        raise argparse.ArgumentTypeError(f"{text}: must be from 0 to under {_ANSWER_GRACE_S * 1000:g}, "
+    if not 0 <= window_ms < ANSWER_GRACE_S * 1000:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"{text}: must be from 0 to under {ANSWER_GRACE_S * 1000:g}, "
                                          "the ranks' wait for an answer beyond Kafka's")
     return window_ms
 
