@@ -51,7 +51,8 @@ def test_tables_have_a_column_per_field_and_a_field_per_column(chdb):
         assert set(BOOKKEEPING) <= set(tables[kind])
     # (".tmp.inner_id...": a refreshable view's table while it refreshes, ClickHouse's own)
     views = {name for name in tables if not name.startswith(".tmp.")} - set(RECORD_TYPES)
-    rollups = {"step_stats", "rank_latest", "rank_10s", "gpu_10s", "gpu_rank_1m", "allocator_10s"}
+    rollups = {"step_stats", "rank_latest", "rank_10s", "gpu_10s", "gpu_rank_1m", "allocator_10s",
+               "allocator_latest"}
     assert views == {"step_across_ranks", "latest_step", "run_summary", "run_overview",
                      "checkpoint_saves", "log_event_totals", "job_runs", "goodput_pieces", "goodput",
                      "goodput_daily", "goodput_daily_latest", "goodput_daily_latest_mv"} | rollups \

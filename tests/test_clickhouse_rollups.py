@@ -189,3 +189,62 @@ def test_allocator_rollups_match_the_allocator_rows(tmp_path):
     out = json.loads(done.stdout)
     assert out["rollup"] == out["exact"] and len(out["rollup"]) == 3 * 3  # 3 buckets x 3 segments
     assert out["host"] == out["host_exact"]
+
+
+LATEST_CHILD = r"""
+import json, sys
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from trainmon.consumers.clickhouse import Target, connect, create_all
+from trainmon.consumers.clickhouse.columns import insert_batch
+from trainmon.grafana_sql import ALL, TimeRange, dashboard_queries, expand, load_dashboards
+from trainmon.schemas import AllocatorRecord
+
+T0 = datetime(2026, 4, 1, 8, 0, 0, tzinfo=timezone.utc)
+def allocator(rank, second, step):
+    segments = [{"name": n, "device": 1000 * rank + 10 * i + second, "managed": 0, "pinned": rank,
+                 "pageable": second} for i, n in enumerate(("weights", "gradients", "optimizer"))]
+    return AllocatorRecord(run_id="a", rank=rank, world_size=3, host="h", time=T0 + timedelta(seconds=second),
+                           event_id=f"a-{rank}-{second}", step=step, stats=segments, allocated=1)
+client = connect(Target(path=sys.argv[1]))
+create_all(client)
+def insert(batch, token):
+    insert_batch(client, "allocator", batch, kafka=("trainmon.allocator", 0, list(range(len(batch)))),
+                 dedup_token=token)
+insert([allocator(r, s, s) for s in (0, 5, 10) for r in range(3)], "t-1")
+second = [allocator(r, s, s) for s in (15, 20) for r in range(3)]
+insert(second, "t-2")
+insert(second, "t-2")  # a retried batch
+# rank 1 resumed from a checkpoint: its newest sample has an earlier step; rank 2's sample
+# of second 1 arrives late, after its newer ones
+insert([allocator(1, 25, 3), allocator(2, 1, 1)], "t-3")
+panel = next(q.sql for d in load_dashboards(Path("trainmon/grafana/dashboards")) for q in dashboard_queries(d)
+             if q.panel == "Latest segments per rank")
+sql = expand(panel, TimeRange(T0 - timedelta(hours=1), T0 + timedelta(hours=1), interval_s=10), {"run_id": "a", "rank": ALL})
+client.database = "trainmon"
+q = lambda s: [list(r) for r in client.query(s).result_rows]
+out = {
+    "panel": q(sql),
+    "exact": q("SELECT rank, segment, device, pinned, pageable FROM ("
+               "  SELECT rank, argMax(stats.name, time) AS n, argMax(stats.device, time) AS d,"
+               "         argMax(stats.pinned, time) AS p, argMax(stats.pageable, time) AS g"
+               "  FROM allocator FINAL WHERE run_id = 'a' GROUP BY rank)"
+               " ARRAY JOIN n AS segment, d AS device, p AS pinned, g AS pageable"
+               " ORDER BY device DESC, rank, segment"),
+    "rows": q("SELECT rank, time, step FROM allocator_latest FINAL ORDER BY rank"),
+}
+print(json.dumps(out, default=str))
+"""
+
+
+def test_allocator_latest_holds_each_ranks_newest_sample(tmp_path):
+    """The Memory dashboard's "Latest segments per rank", read from allocator_latest,
+    against the same answer from the allocator rows: over several inserts (parts), a
+    retried batch, a rank resumed at an earlier step and a sample that arrives late."""
+    done = subprocess.run([sys.executable, "-c", LATEST_CHILD, str(tmp_path / "chdb")], capture_output=True,
+                          text=True, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    assert out["panel"] == out["exact"] and len(out["panel"]) == 3 * 3
+    rows = {rank: (time[-8:], step) for rank, time, step in out["rows"]}
+    assert rows == {0: ("08:00:20", 20), 1: ("08:00:25", 3), 2: ("08:00:20", 20)}

@@ -514,17 +514,14 @@ MEMORY_DASHBOARD = {
         stat("Allocation retries", f"SELECT max(alloc_retries) FROM allocator WHERE {RUN}",
              description="cudaMalloc retries after freeing cache: a sign of memory pressure."),
         table("Latest segments per rank",
+              # allocator_latest: one row per rank (rollups.py); from the allocator rows,
+              # every sample of the last 10 minutes, this took 125-190 ms at 16,384 ranks
               "SELECT rank, segment, device, pinned, pageable\n"
-              "FROM (SELECT rank, argMax(stats.name, step) AS names, argMax(stats.device, step) AS devices,\n"
-              "             argMax(stats.pinned, step) AS pinneds, argMax(stats.pageable, step) AS pageables\n"
-              f"      FROM allocator WHERE {RUN} AND {RANKS}\n"
-              # each rank's latest step first, then argMax over those rows only: over every
-              # sample of the last 10 minutes it took 100-190 ms at 16,384 ranks, now ~60
-              f"          AND (rank, step) IN (SELECT rank, max(step) FROM allocator WHERE {RUN} AND {RANKS}\n"
-              f"              AND time >= (SELECT max(time) FROM allocator WHERE {RUN}) - INTERVAL 10 MINUTE\n"
-              "              GROUP BY rank)\n"
-              "      GROUP BY rank)\n"
-              "ARRAY JOIN names AS segment, devices AS device, pinneds AS pinned, pageables AS pageable\n"
+              "FROM allocator_latest FINAL\n"
+              "ARRAY JOIN segments AS segment, device_bytes AS device, pinned_bytes AS pinned,\n"
+              "           pageable_bytes AS pageable\n"
+              f"WHERE {RUN} AND {RANKS}\n"
+              f"    AND time >= (SELECT max(time) FROM allocator_latest WHERE {RUN}) - INTERVAL 10 MINUTE\n"
               "ORDER BY device DESC, rank, segment\nLIMIT 200",
               width=20, units={"device": "bytes", "pinned": "bytes", "pageable": "bytes"},
               description="The latest sample of every rank that reported in the run's last 10 "

@@ -20,6 +20,8 @@ draw, aggregated when the rows are inserted:
   seconds, and per GPU and minute what picks the standouts (GPU_VALUES below).
 - ``allocator_10s``: the Memory panels' largest bytes per segment over the ranks per 10
   seconds.
+- ``allocator_latest``: each rank's newest allocator sample (a ReplacingMergeTree, read
+  with ``FINAL``; the rest here are AggregatingMergeTrees).
 
 Exactly once. A Kafka message reaches these tables once, like the step table: the loader
 inserts each partition's batch with a dedup token and
@@ -163,9 +165,7 @@ def gpu_standing(name: str) -> str:
 # -- allocator: memory by segment over a big run's ranks ---------------------------------
 #
 # At 16,384 ranks the allocator table holds a million rows of 20 minutes; the Memory
-# dashboard's segment panels read this when it shows every rank of a big run. (Each
-# rank's latest segments from an argMax rollup were no faster, 120-140 ms: merging
-# 16,384 states of four arrays costs what reading the latest rows does.)
+# dashboard's segment panels read this when it shows every rank of a big run.
 _ALLOCATOR_ROWS = ("SELECT *, toStartOfInterval(time, INTERVAL 10 second) AS bucket, "
                    "CAST(stats.name, 'Array(String)') AS names, "
                    "arrayMap((p, q) -> p + q, stats.pinned, stats.pageable) AS host_bytes FROM {db}.allocator")
@@ -177,12 +177,33 @@ ALLOCATOR_10S_COLUMNS = {
 }
 
 
+# allocator_latest: each rank's newest allocator sample (the Memory dashboard's "Latest
+# segments per rank"), one row per run and rank. Read from the allocator rows, that
+# table took 125-190 ms at 16,384 ranks: every sample of the last 10 minutes, segment
+# arrays and all. Here a ReplacingMergeTree on time keeps the newest row of a key, each
+# insert already cut to one row per rank by the view, and background merges hold it at a
+# few parts of about one row per rank, read with FINAL (15-28 ms, measured with inserts
+# as a live stream makes them). An AggregatingMergeTree of argMax states was tried and
+# was no faster: merging 16,384 states of four arrays costs what reading the rows does.
+_ALLOCATOR_LATEST_ROWS = ("SELECT run_id, rank, time AS sampled_at, step AS step_number, "
+                          "CAST(stats.name, 'Array(String)') AS names, stats.device AS device, "
+                          "stats.pinned AS pinned, stats.pageable AS pageable FROM {db}.allocator")
+ALLOCATOR_LATEST_COLUMNS = {
+    "time": ("DateTime64(6, 'UTC')", "max(sampled_at)"),
+    "step": ("Int64", "argMax(step_number, sampled_at)"),
+    "segments": ("Array(String)", "argMax(names, sampled_at)"),
+    "device_bytes": ("Array(Int64)", "argMax(device, sampled_at)"),
+    "pinned_bytes": ("Array(Int64)", "argMax(pinned, sampled_at)"),
+    "pageable_bytes": ("Array(Int64)", "argMax(pageable, sampled_at)"),
+}
+
+
 def _rollup(db: str, name: str, keys: dict[str, tuple[str, str]], columns: dict[str, tuple[str, str]],
-            source: str) -> tuple[str, str, str]:
+            source: str, engine: str = "AggregatingMergeTree") -> tuple[str, str, str]:
     """CREATE TABLE, CREATE MATERIALIZED VIEW, and the backfill INSERT of one rollup."""
     definitions = [f"`{k}` {t}" for k, (t, _) in {**keys, **columns}.items()]
     table = (f"CREATE TABLE IF NOT EXISTS {db}.{name} (\n    " + ",\n    ".join(definitions) + "\n)\n"
-             f"ENGINE = AggregatingMergeTree\nORDER BY ({', '.join(keys)})\nSETTINGS {settings_sql()}")
+             f"ENGINE = {engine}\nORDER BY ({', '.join(keys)})\nSETTINGS {settings_sql()}")
     select = ("SELECT " + ", ".join(f"{e} AS `{k}`" for k, (_, e) in {**keys, **columns}.items())
               + f"\nFROM ({source.format(db=db)})\nGROUP BY {', '.join(keys)}")
     view = f"CREATE MATERIALIZED VIEW IF NOT EXISTS {db}.{name}_mv TO {db}.{name} AS\n{select}"
@@ -220,4 +241,8 @@ def rollups(db: str) -> dict[str, tuple[str, str, str]]:
                                   "time": ("DateTime('UTC')", "bucket"),
                                   "names": ("Array(String)", "names")},
                                  ALLOCATOR_10S_COLUMNS, _ALLOCATOR_ROWS),
+        "allocator_latest": _rollup(db, "allocator_latest",
+                                    {"run_id": ("LowCardinality(String)", "run_id"), "rank": ("Int64", "rank")},
+                                    ALLOCATOR_LATEST_COLUMNS, _ALLOCATOR_LATEST_ROWS,
+                                    engine="ReplacingMergeTree(time)"),  # readers add FINAL
     }
