@@ -127,3 +127,35 @@ create_all(client)
 print(json.dumps(q("SELECT rank, step, loss FROM trainmon.latest_step WHERE run_id = 'm'")))
 """, tmp_path)
     assert out == [[0, 2, 1.0]]
+
+
+def test_a_rank_10s_table_ordered_time_first_is_made_again_rank_first(tmp_path):
+    """rank_10s as earlier versions made it, ordered (run_id, time, rank), is made again
+    ordered by rank first (the standouts' lines read their ranks by the key) and filled
+    from the step table at start; a table already in this version's order is left alone."""
+    out = _child(r"""
+from trainmon.schemas import StepRecord
+from trainmon.consumers.clickhouse.schema_setup import create_rollups
+ddl = q("SELECT create_table_query FROM system.tables WHERE database = 'trainmon' AND name = 'rank_10s'")[0][0]
+view = q("SELECT create_table_query FROM system.tables WHERE database = 'trainmon' AND name = 'rank_10s_mv'")[0][0]
+client.command("DROP VIEW trainmon.rank_10s_mv")
+client.command("DROP TABLE trainmon.rank_10s")
+client.command(ddl.replace("ORDER BY (run_id, rank, time)", "ORDER BY (run_id, time, rank)"))
+client.command(view)
+t0 = datetime(2026, 4, 1, tzinfo=timezone.utc)
+insert_records(client, [StepRecord(run_id="m", rank=r, world_size=2, host="h", time=t0 + timedelta(seconds=n),
+                                   event_id=f"m{r}-{n}", step=n, duration_ms=100.0 + r) for n in range(30)
+                        for r in range(2)])
+old_key = q("SELECT sorting_key FROM system.tables WHERE database = 'trainmon' AND name = 'rank_10s'")[0][0]
+create_all(client)
+print(json.dumps({
+    "old_key": old_key,
+    "key": q("SELECT sorting_key FROM system.tables WHERE database = 'trainmon' AND name = 'rank_10s'")[0][0],
+    "rows": q("SELECT rank, toString(time), sum(duration_ms_count), sum(duration_ms_sum) FROM trainmon.rank_10s "
+              "WHERE run_id = 'm' GROUP BY rank, time ORDER BY rank, time"),
+    "again": create_rollups(client, "trainmon"),
+}))
+""", tmp_path)
+    assert out["old_key"] == "run_id, time, rank" and out["key"] == "run_id, rank, time"
+    assert out["rows"] == [[r, f"2026-04-01 00:00:{s:02d}", 10, 10 * (100.0 + r)] for r in range(2) for s in (0, 10, 20)]
+    assert out["again"] == []

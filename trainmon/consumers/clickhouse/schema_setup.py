@@ -7,6 +7,8 @@ The statements come from the pure modules below it: :mod:`.ddl` (record tables),
 
 from __future__ import annotations
 
+import re
+
 from ...schemas import RECORD_TYPES
 from .ddl import create_table_sql, derived_default, nullable_of, table_fields
 from .rollups import PROBES, rollups
@@ -82,8 +84,10 @@ def create_rollups(client, database: str) -> list[str]:
         existed = bool(client.query("SELECT count() FROM system.tables WHERE database = {db:String} "
                                     "AND name = {t:String}",
                                     parameters={"db": database, "t": name}).result_rows[0][0])
-        if existed and name in PROBES and not _readable(client, PROBES[name].format(db=database)):
-            # made by an older version with columns this one cannot read: made again
+        if existed and (name in PROBES and not _readable(client, PROBES[name].format(db=database))
+                        or _sorting_key(client, database, name) != _order_by(table)):
+            # made by an older version, with columns this one cannot read or in another
+            # order (rank_10s was time first): made again
             client.command(f"DROP VIEW IF EXISTS {database}.{name}_mv")
             client.command(f"DROP TABLE IF EXISTS {database}.{name}")
             existed = False
@@ -94,6 +98,16 @@ def create_rollups(client, database: str) -> list[str]:
             client.command(backfill)
             created.append(name)
     return created
+
+
+def _sorting_key(client, database: str, name: str) -> str:
+    return client.query("SELECT sorting_key FROM system.tables WHERE database = {db:String} AND name = {t:String}",
+                        parameters={"db": database, "t": name}).result_rows[0][0]
+
+
+def _order_by(create_table: str) -> str:
+    """The key of a CREATE TABLE statement, as system.tables spells it ("a, b")."""
+    return re.search(r"^ORDER BY \((.*)\)$", create_table, re.MULTILINE).group(1)
 
 
 def _readable(client, probe: str) -> bool:
