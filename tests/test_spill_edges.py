@@ -10,7 +10,7 @@ import pytest
 
 from trainmon.kafka_client.memory_transport import MemoryBroker
 from trainmon.producer import delivery
-from trainmon.producer.spill import SpillFile
+from trainmon.producer.spill import SpillFile, claim_orphans
 
 # (quick_answers: that module's autouse fixture, which these tests need as much)
 from .test_producer_backlog_memory import entry, producer_for, quick_answers, steps_in  # noqa: F401
@@ -93,3 +93,27 @@ def test_a_spill_file_whose_owner_still_lived_at_start_is_claimed_once_it_exits(
     wait_until(delivered, timeout=5, what="the old rank's records", pause=0.05)
     assert not old.path.exists()
     producer.close()
+
+
+def test_a_spill_file_that_cannot_be_read_leaves_the_others_claimed(tmp_path, caplog):
+    """One earlier file that cannot be opened or read (here a directory with a spill
+    file's name; as well a disk error, a file of another user's) stopped the claim at it:
+    the files after it were never sent. Now it is named in a warning and passed over, the
+    others are claimed, and it is tried again later (it may become readable)."""
+    spill_dir = tmp_path / "spill"
+    bad = spill_dir / "a-bad.0.spill"  # (sorted first)
+    bad.mkdir(parents=True)
+    orphan = orphan_with(spill_dir, [entry('{"a":1}'), entry('{"a":2}')], b"")
+    broker = MemoryBroker()
+    with caplog.at_level(logging.WARNING, logger="trainmon"):
+        producer = producer_for(broker, tmp_path)
+        producer.log_step(0, loss=1.0)
+        assert producer.flush(10)
+        assert steps_in(broker, "t") == [b'{"a":1}', b'{"a":2}']
+    assert not orphan.path.exists()
+    assert any("a-bad.0.spill" in r.getMessage() for r in caplog.records), caplog.text
+    assert producer._worker._delivery.orphans_again_at is not None  # tried again later
+    producer.close()
+    problems = []
+    assert claim_orphans(spill_dir, lambda entries: True, unreadable=lambda p, e: problems.append(p))
+    assert problems == [bad]

@@ -16,6 +16,7 @@ import errno
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 from ..backoff import Backoff
@@ -71,6 +72,7 @@ class Delivery:
         # again (the sender thread's tick), or None.
         self.orphans_again_at: float | None = None
         self._said_orphans_left = False
+        self._said_unreadable: set[Path] = set()  # earlier spill files that could not be read
 
     def deliver(self, messages: list[Entry]) -> bool:
         """Send, or keep behind what waits; True when messages left for Kafka now."""
@@ -234,14 +236,22 @@ class Delivery:
         backlog, and each file is deleted once they are on disk here."""
         self.orphans_again_at = None
         try:
-            if claim_orphans(self.spill_dir, self._keep_on_disk, own=self.spill.path):
-                # Another producer's file, locked: a rank beside this one, or the one this
-                # one restarted, still exiting. Looked at again, so that the latter's
-                # records leave once it is gone, not at the next start (there may be none).
+            if claim_orphans(self.spill_dir, self._keep_on_disk, own=self.spill.path,
+                             unreadable=self._unreadable_orphan):
+                # Another producer's file, locked (a rank beside this one, or the one this
+                # one restarted, still exiting), or one that could not be read. Looked at
+                # again, so that the former's records leave once it is gone, not at the
+                # next start (there may be none).
                 again = time.monotonic() + ORPHANS_RETRY_S
                 self.orphans_again_at = min(self.orphans_again_at or again, again)
         except OSError as exc:  # an unreadable spill directory: nothing of earlier runs to send
             log.warning("trainmon: cannot read the spill directory %s: %s", self.spill_dir, exc)
+
+    def _unreadable_orphan(self, path: Path, exc: OSError) -> None:
+        if path not in self._said_unreadable:  # (tried again every ORPHANS_RETRY_S: said once)
+            self._said_unreadable.add(path)
+            log.warning("trainmon: cannot read an earlier producer's spill file %s (%s); its records "
+                        "are not sent until it can be read, the other files are", path, exc)
 
     def _keep_on_disk(self, entries: list[Entry]) -> bool:
         """An earlier producer's records: into this one's spill file, else left in theirs

@@ -219,45 +219,58 @@ CLAIM_CHUNK_BYTES = 8 << 20
 
 
 def claim_orphans(directory: Path, keep: Callable[[list[Entry]], bool], own: Path | None = None,
-                  chunk_bytes: int = CLAIM_CHUNK_BYTES) -> bool:
+                  chunk_bytes: int = CLAIM_CHUNK_BYTES,
+                  unreadable: Callable[[Path, OSError], None] | None = None) -> bool:
     """Hand the records of spill files whose owner is gone (their flock is free) to
     ``keep``, about ``chunk_bytes`` at a time, and delete each file once ``keep`` says all
     its records are on disk again (in the caller's own spill file). A file whose records
     could only be kept in memory stays, so that a kill now still loses nothing (at worst
     its records are sent twice). A rewrite's temporary file whose owner is gone is
-    removed (its records are in its .spill file). True where a file was left to an owner
-    that still lives (it may be exiting: a rank restarted before the old one was gone)."""
+    removed (its records are in its .spill file). A file that cannot be opened or read
+    (a disk error, another user's file) goes to ``unreadable`` and is passed over: the
+    others are still claimed. True where a file was left that a later try may claim: one
+    whose owner still lives (it may be exiting: a rank restarted before the old one was
+    gone), or one that could not be read."""
     directory = Path(directory)
-    owned = False
+    left = False
     if not directory.is_dir():
-        return owned
+        return left
     for temp in directory.glob(f"*{SUFFIX}{_COMPACTING}"):
         _remove_if_unlocked(temp)
     for path in sorted(directory.glob(f"*{SUFFIX}")):
         if own is not None and path == own:
             continue
         try:
-            fd = os.open(path, os.O_RDWR)
-        except FileNotFoundError:
-            continue
+            left |= _claim(path, keep, chunk_bytes)
+        except OSError as exc:
+            left = True
+            if unreadable is not None:
+                unreadable(path, exc)
+    return left
+
+
+def _claim(path: Path, keep: Callable[[list[Entry]], bool], chunk_bytes: int) -> bool:
+    """One orphan (see claim_orphans); True where its owner still lives."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                owned = True
-                continue  # a live producer owns it
-            if os.fstat(fd).st_nlink == 0:
-                continue  # another producer claimed it, or its owner rewrote it, while we waited
-            with open(fd, "rb", closefd=False) as f:
-                while lines := f.readlines(chunk_bytes):  # (whole lines, about chunk_bytes)
-                    entries = _load(b"".join(lines))
-                    if entries and not keep(entries):
-                        break  # (what was kept so far is sent twice, after a later claim)
-                else:
-                    path.unlink(missing_ok=True)
-        finally:
-            os.close(fd)
-    return owned
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True  # a live producer owns it
+        if os.fstat(fd).st_nlink == 0:
+            return False  # another producer claimed it, or its owner rewrote it, while we waited
+        with open(fd, "rb", closefd=False) as f:
+            while lines := f.readlines(chunk_bytes):  # (whole lines, about chunk_bytes)
+                entries = _load(b"".join(lines))
+                if entries and not keep(entries):
+                    return False  # (what was kept so far is sent twice, after a later claim)
+        path.unlink(missing_ok=True)
+        return False
+    finally:
+        os.close(fd)
 
 
 def _remove_if_unlocked(path: Path) -> None:
