@@ -142,7 +142,8 @@ def series(value: str, table_: str, *, label: str | None = None, time: str = "ti
 #   A. one line per rank (per GPU): runs of at most PER_RANK_LINES_UP_TO ranks, or the
 #      ranks picked in the rank variable;
 #   B. min / median / max over the ranks per interval: bigger runs with all ranks;
-#   C. the STANDOUTS ranks that stand out most over the time range, as lines: bigger runs.
+#   C. the STANDOUTS ranks that stand out most over the time range, as lines: bigger runs
+#      (ties go to the lowest rank: the same lines at every refresh).
 # The switch is a constant after ClickHouse evaluates the scalar subquery, so a query
 # switched off reads no rows.
 PER_RANK_LINES_UP_TO = 16
@@ -175,7 +176,7 @@ RANK_OPTIONS = f"""SELECT rank, label FROM (
     SELECT rank, concat(toString(rank), ' (', arrayStringConcat(arraySort(groupUniqArray(why)), ', '), ')')
     FROM (
         SELECT rank, 'slowest' AS why FROM rank_10s WHERE {RUN} AND $__timeFilter(time)
-        GROUP BY rank ORDER BY sum(duration_ms_sum) / nullIf(sum(duration_ms_count), 0) DESC LIMIT {RANK_PICKS}
+        GROUP BY rank ORDER BY sum(duration_ms_sum) / nullIf(sum(duration_ms_count), 0) DESC, rank LIMIT {RANK_PICKS}
         UNION ALL
         SELECT rank, 'behind' FROM rank_latest WHERE {RUN}
         GROUP BY rank HAVING max(step) < (SELECT max(step) FROM rank_latest WHERE {RUN}) - 1
@@ -227,7 +228,7 @@ def across(row: str, agg: str, table: str, alias: str, worst: str, *, key: str =
                          f"(SELECT run_id, time, {row} AS v FROM {table} WHERE {_and(RUN, where)})", alias)
     order = "DESC" if worst == "max" else "ASC"
     picked = (f"({key}) IN (SELECT {key} FROM {table} WHERE {_and(RUN, '$__timeFilter(time)', where)} "
-              f"GROUP BY {key} ORDER BY {agg}({row}) {order} LIMIT {STANDOUTS})")
+              f"GROUP BY {key} ORDER BY {agg}({row}) {order}, {key} LIMIT {STANDOUTS})")
     standouts = series(f"{agg}({row})", table, label=label, where=_and(DISTRIBUTION, picked, where),
                        alias=alias)
     return lines, distribution, standouts
@@ -253,7 +254,7 @@ def gpu_panel(name: str, alias: str, worst: str = "max") -> tuple[str, str, str]
                          f"max({name}_max)", "gpu_10s", alias)
     order = "DESC" if worst == "max" else "ASC"
     picked = (f"(rank, id) IN (SELECT rank, id FROM gpu_rank_1m WHERE {RUN} AND $__timeFilter(time) "
-              f"GROUP BY rank, id ORDER BY {gpu_standing(name)} {order} LIMIT {STANDOUTS})")
+              f"GROUP BY rank, id ORDER BY {gpu_standing(name)} {order}, rank, id LIMIT {STANDOUTS})")
     standouts = series(f"{agg}({row})", "gpu", label=GPU_SERIES, where=_and(DISTRIBUTION, picked),
                        alias=alias)
     return lines, distribution, standouts
@@ -291,7 +292,7 @@ def step_panel(column: str, alias: str, low: str, median: str, high: str,
     distribution = bands(low, median, high, "step_stats", alias, time="last_time")
     order = "DESC" if worst == "max" else "ASC"
     picked = (f"rank IN (SELECT rank FROM rank_10s WHERE {RUN} AND $__timeFilter(time) "
-              f"GROUP BY rank ORDER BY {rank_mean} {order} LIMIT {STANDOUTS})")
+              f"GROUP BY rank ORDER BY {rank_mean} {order}, rank LIMIT {STANDOUTS})")
     standouts = series(rank_mean, "rank_10s", label=RANK_SERIES, where=_and(DISTRIBUTION, picked),
                        alias=alias)
     return lines, distribution, standouts
@@ -453,7 +454,9 @@ GPU_DASHBOARD = {
               "SELECT time, rank, id AS gpu, throttle, clock, max_clock, temperature, power\n"
               "FROM gpu\n"
               f"WHERE {RUN} AND $__timeFilter(time) AND {RANKS} AND {THROTTLED}\n"
-              "ORDER BY time DESC\nLIMIT 200",
+              # a sample Kafka stored twice (a retried send) is listed once; FINAL would
+              # merge every GPU sample of the run first, this only the throttled ones
+              "ORDER BY time DESC\nLIMIT 1 BY event_id\nLIMIT 200",
               units={"power": "mwatt"}),
         table("GPU models",
               "SELECT rank, host, id AS gpu, name, sm_count, memory, l2_size, uuid, ecc, "
@@ -544,7 +547,8 @@ HEALTH_DASHBOARD = {
                                "going bad (rule ecc_corrected_rising)."),
         timeseries("Uncorrected ECC errors and XIDs",
                    *per_gpu("ecc_volatile_uncorrected", "max", "uncorrected", table="gpu_health"),
-                   series("sum(xid_count)", "gpu_health", label=f"concat({GPU_SERIES}, ' xid')",
+                   # FINAL: a sample Kafka stored twice (a retried send) is one row, not two sums
+                   series("sum(xid_count)", "gpu_health FINAL", label=f"concat({GPU_SERIES}, ' xid')",
                           where=f"{RANKS} AND xid_count > 0", alias="critical XIDs"),
                    description="Any uncorrected error or critical XID is an alert (ecc_uncorrected, "
                                "xid_critical)."),
