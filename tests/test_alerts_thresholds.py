@@ -98,3 +98,24 @@ def test_an_xid_alert_names_the_gpu_host_rank_and_the_codes():
     (alert,) = firing(run_engine(engine_with(), bad))
     assert alert.rule == "xid_critical" and alert.severity == "critical"
     assert "GPU 0 of rank 0 on node0" in alert.message and "xids [79, 48]" in alert.message
+
+
+def test_dropped_records_fire_while_the_count_grows_and_resolve_once_it_stops():
+    """producer_health ``dropped`` counts from the producer's start: once a rank had lost
+    records, ``dropped > 0`` held for the rest of the run and the incident never resolved.
+    Judged is its growth: it fires when records are lost, resolves at the next health
+    record that lost none; a record read again changes nothing; a producer started again
+    (its count lower) counts from 0."""
+    counts = {S: 120, S + 1: 120, S + 2: 120, S + 40: 150, S + 41: 150, S + 60: 10, S + 61: 10}
+
+    def mutate(s, r, step, gpu, moe):
+        gpu["producer"]["dropped"] = next((n for at, n in sorted(counts.items(), reverse=True) if s >= at), 0)
+
+    records = synthetic_run("dropped", t0=T0, steps=S + 70, mutate=mutate, end=False, health_every=1)
+    health = [r for r in records if r.kind == "producer_health"]
+    again = health[S + 1]  # delivered twice: right after itself, and long after
+    records = records[:records.index(again) + 1] + [again] + records[records.index(again) + 1:] + [again]
+    engine = engine_with(producer_dropped_records_cooldown_s=0)
+    events = [(a.state, a.step) for a in run_engine(engine, records) if a.rule == "producer_dropped_records"]
+    assert events == [("firing", S), ("resolved", S + 1), ("firing", S + 40), ("resolved", S + 41),
+                      ("firing", S + 60), ("resolved", S + 61)]

@@ -46,6 +46,10 @@ class ThresholdSpec:
     cooldown_s: float = 60.0
     per_gpu: bool = False  # one incident per GPU (rank3/gpu0) instead of one per run
     detail: Optional[str] = None  # a field shown in the message as it is (the XID codes)
+    # The field is a running count (records dropped since the producer started): judged is
+    # its growth since the rank's previous record of the kind, so the incident resolves once
+    # it stops growing. A count below the previous one is a new process's, counted from 0.
+    running_count: bool = False
     bounds: tuple = ()  # pydantic Field constraints for the setting: (("ge", 0), ("le", 1))
 
     def value(self, record) -> float | None:
@@ -152,9 +156,12 @@ THRESHOLD_RULES: tuple[ThresholdSpec, ...] = (
         checked_on="tests/test_alerts_thresholds.py (disk records come from the producer)"),
     ThresholdSpec(
         "producer_dropped_records", "producer_health", "dropped", ">", 0.0,
-        "records the producer dropped", param=None, severity="critical", cooldown_s=3600.0,
+        "records the producer dropped since its previous health record", param=None, severity="critical",
+        cooldown_s=3600.0, running_count=True,
         catches="a rank's producer lost records: Kafka did not take them, the spill directory "
-                "could not and memory was at its bound; the run's tables miss them for good",
+                "could not and memory was at its bound; the run's tables miss them for good. "
+                "`dropped` counts from the producer's start: judged is its growth, so the "
+                "incident resolves once no more are lost",
         checked_on="tests/test_alerts_thresholds.py (producer_health records, docs/metrics.md)"),
     ThresholdSpec(
         "producer_spill_refused", "producer_health", "held_in_memory", ">", 0.0,
@@ -177,6 +184,8 @@ BY_NAME = {spec.name: spec for spec in THRESHOLD_RULES}
 def describe(spec: ThresholdSpec) -> str:
     """The condition, as the docs table shows it: "`gpu_util` < `min_util`=50 %"."""
     field = " / ".join(f"`{f}`" for f in spec.field.split("/"))
+    if spec.running_count:
+        field = f"{field}'s growth since the previous record"
     limit = _default(spec)
     limit = f"`{spec.param}`={limit}" if spec.param else limit
     return f"{spec.kind} {field} {spec.op} {limit}"

@@ -4,6 +4,8 @@ rules, so each entry is registered here rather than by a class statement."""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import Field, create_model
@@ -15,8 +17,17 @@ from .base import RUN, Rule, register
 OP_WORDS = {">": "above", ">=": "at or above", "<": "below", "<=": "at or below", "==": "is"}
 
 
+@dataclass(slots=True)
+class RunningCounts:
+    """A running-count entry's previous record per subject (ThresholdSpec.running_count):
+    its time and count."""
+    last: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+
 class ThresholdRule(Rule):
     """One entry of thresholds.THRESHOLD_RULES: ``<field> <op> <threshold>``."""
+
+    rank_state = RunningCounts  # (kept by the running-count entries only)
 
     def __init__(self, name: str, cfg: RuleConfig, book):
         super().__init__(name, cfg, book)
@@ -32,6 +43,13 @@ class ThresholdRule(Rule):
             return None
         limit = spec.threshold if spec.param is None else getattr(self.cfg, spec.param)
         subject = f"rank{rank.rank}/gpu{r.id}" if spec.per_gpu else RUN
+        if spec.running_count:
+            counts = rank.slot(self).last
+            since, before = counts.get(subject, (-math.inf, 0.0))
+            if t <= since:
+                return None  # a record read again (delivery is at least once), or an older one
+            counts[subject] = (t, value)
+            value = value - before if value >= before else value  # (lower: a new process's count)
         if not self.op(value, limit):
             return self.good(run, rank, step=r.step, t=t, value=value, subject=subject)
         if spec.per_gpu:
