@@ -14,8 +14,9 @@ draw, aggregated when the rows are inserted:
   the ``step_across_ranks`` view. (A table created by an older version keeps its view and
   those columns: drop ``step_stats_mv`` and the service creates it again at start.)
 - ``rank_latest``: the step every rank logged last (1,024 rows for 1,024 ranks).
-- ``rank_10s``: per rank and 10-second bucket (ordered by rank, then time), step time and tokens/s sums and extremes
-  (the step-time heatmap and "which ranks stand out" without touching the step rows).
+- ``rank_10s``: per rank and 10-second bucket (ordered by rank, then time), step time and
+  tokens/s sums and extremes (the step-time heatmap and "which ranks stand out" without
+  touching the step rows).
 - ``gpu_10s`` and ``gpu_rank_1m``: the GPU panels' distribution over all GPUs per 10
   seconds, and per GPU and minute what picks the standouts (GPU_VALUES below).
 - ``allocator_10s``: the Memory panels' largest bytes per segment over the ranks per 10
