@@ -445,3 +445,32 @@ def test_a_relay_out_of_descriptors_goes_on_and_takes_ranks_again_once_some_clos
         relay.kill()
         _, stderr = relay.communicate(timeout=30)
     assert b"cannot take a connection" in stderr and b"Traceback" not in stderr, stderr.decode()[-2000:]
+
+
+def test_a_record_the_relays_kafka_client_refuses_as_too_large_is_dropped_by_name_and_holds_nothing_back(
+        make_producer, bootstrap, topic_prefix, relay_path, caplog):
+    """A rank whose producer allows 2 MB messages logs a 1.1 MB record; the relay's Kafka
+    client (librdkafka's 1 MB message.max.bytes) refuses it at once. The relay answered
+    FAILED, so the rank kept it and sent it again, refused again, for ever (its flush never
+    ended). As a rank's own client's refusal: dropped, counted and named; the rest arrive."""
+    import logging
+
+    relay = RelayThread(relay_path, bootstrap)
+    try:
+        producer = make_producer(run_id="relay-too-large", relay=relay_path, linger_ms=0,
+                                 max_message_bytes=2_000_000)
+        with caplog.at_level(logging.ERROR, logger="trainmon.producer"):
+            assert producer.run_start(config={"vocab": "x" * 1_100_000})  # the rank takes it
+            logged = log_steps([producer], range(5))
+            transport = producer._worker._transport
+            wait_until(lambda: transport.dropped == 1, 20, "the rank to drop the record the relay's client refused",
+                       details=lambda: f"dropped {transport.dropped}, failed answers {relay.relay.stats.failed}")
+            assert producer.flush(30)
+        run_topic = topics.topic_for("run", topic_prefix)
+        assert "Kafka refused a 1,1" in caplog.text and f"on {run_topic} as too large; dropped it" in caplog.text
+        assert not producer.spilled and producer.rejected == {}
+        assert sorted(r.step for r in read_records(bootstrap, topic_prefix, "step", logged)) == list(range(5))
+        assert read_records(bootstrap, topic_prefix, "run", 0, timeout=2) == []
+    finally:
+        relay.close()
+    assert relay.relay.stats.failed == 0  # (never answered FAILED: a rank would send it again)

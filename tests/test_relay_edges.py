@@ -154,3 +154,55 @@ def test_a_pack_window_the_relay_cannot_keep_is_refused_by_name(relay_path, wind
     assert "--window-ms" in capsys.readouterr().err and not os.path.exists(relay_path)
     with pytest.raises(ValueError, match="window_s"):
         Relay(relay_path, kafka=StoredAtOnce(), window_s=float(window_ms) / 1000)
+
+
+class RefusesOver(StoredAtOnce):
+    """The relay's Kafka client with a message size of ``limit`` bytes: a message over it
+    is refused at once, before it is sent (as librdkafka's message.max.bytes)."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.limit = limit
+
+    def send(self, topic, value, key=None, headers=None) -> Delivery:
+        if len(value) > self.limit:
+            return Delivery(done=True, error="KafkaError{code=MSG_SIZE_TOO_LARGE}", too_large=True)
+        return super().send(topic, value, key, headers)
+
+
+def test_ranks_messages_packed_past_the_clients_message_size_go_again_apart_and_only_one_too_large_alone_is_refused(
+        relay_path):
+    """The relay packs a window's messages up to its own bound; its client may still refuse
+    the packed message as too large. Then the ranks' messages go again in smaller Kafka
+    messages (in order): each that fits is stored and answered OK; only one too large by
+    itself is answered TOO_LARGE (its rank drops it: not FAILED, which it would send again
+    for ever)."""
+    kafka = RefusesOver(1000)
+    relay = Relay(relay_path, kafka=kafka, window_s=0.2)
+    relay.listen()
+    stop, thread = running(relay)
+    rank = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        rank.connect(relay_path)
+        values = {1: b"a" * 400, 2: b"b" * 400, 3: b"c" * 400, 4: b"d" * 1500, 5: b"e" * 100}
+        rank.sendall(frames.hello(b"another schema") + b"".join(
+            frames.entry(entry_id, "t.step", b"run", value) for entry_id, value in values.items()))
+        rank.settimeout(0.1)
+        received, answers = bytearray(), []
+
+        def all_answered():
+            try:
+                received.extend(rank.recv(4096))
+            except socket.timeout:
+                pass
+            answers.extend(frames.take_answers(received))
+            return len(answers) == len(values)
+
+        wait_until(all_answered, 15, "the relay's answers", details=lambda: str(answers))
+        assert dict(answers) == {1: frames.OK, 2: frames.OK, 3: frames.OK, 4: frames.TOO_LARGE, 5: frames.OK}
+        stored = [line for _, value in kafka.sent for line in value.split(b"\n")]
+        assert stored == [values[1], values[2], values[3], values[5]]  # each once, in order
+        assert relay.stats.failed == 0
+    finally:
+        rank.close()
+        stopped(relay, stop, thread)

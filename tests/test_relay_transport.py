@@ -85,6 +85,25 @@ def test_answers_reach_the_ack_hook_or_the_messages_failure_handler(relay):
     assert t.flush(1)
 
 
+def test_a_message_the_relay_says_is_too_large_goes_back_one_record_each_or_is_dropped_alone(relay, caplog):
+    """TOO_LARGE: the relay's Kafka client refused the rank's message by itself. As a rank's
+    own client's refusal (transport.split_or_drop): packed records go back one per message
+    to the failure handler, a single record is dropped and counted, never sent again."""
+    import logging
+
+    failed: list = []
+    t = transport(relay, failed)
+    t.send(("t.step", b"run", b'{"a":1}\n{"a":2}'))
+    relay.accept()
+    t.send(("t.step", b"run", b'{"a":3}'))
+    (packed, *_), (single, *_) = relay.entries(2)
+    with caplog.at_level(logging.ERROR, logger="trainmon.producer"):
+        relay.answer([(packed, frames.TOO_LARGE), (single, frames.TOO_LARGE)])
+        wait_until(lambda: (t.serve(0.05), not t.in_flight)[1], what="both answers")
+    assert failed == [("t.step", b"run", b'{"a":1}'), ("t.step", b"run", b'{"a":2}')] and t.dropped == 1
+    assert "Kafka refused a 7-byte record on t.step as too large; dropped it" in caplog.text
+
+
 def test_a_broken_connections_messages_are_reported_at_serve_in_order_before_a_new_one(relay):
     failed: list = []
     t = transport(relay, failed)

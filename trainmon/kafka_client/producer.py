@@ -17,6 +17,9 @@ class Delivery:
     done: bool = False
     error: str | None = None
     offset: int | None = None  # where Kafka stored it
+    # Refused by the client before it was sent, as over its message.max.bytes: sending it
+    # again cannot help (the broker's own refusal comes in a report, as other failures).
+    too_large: bool = False
 
     @property
     def failed(self) -> bool:
@@ -26,6 +29,14 @@ class Delivery:
         self.error = None if error is None else error.str()
         self.offset = message.offset() if error is None else None
         self.done = True
+
+    def _refused(self, exc: Exception) -> None:
+        """The client refused the message at produce (a KafkaException holds its KafkaError)."""
+        from confluent_kafka import KafkaException
+
+        self.done, self.error = True, f"{type(exc).__name__}: {exc}"
+        self.too_large = (isinstance(exc, KafkaException) and bool(exc.args)
+                          and exc.args[0].name() == "MSG_SIZE_TOO_LARGE")
 
 
 class Producer:
@@ -56,9 +67,9 @@ class Producer:
             try:
                 self._producer.produce(topic, value=value, key=key, on_delivery=delivery._report, **where)
             except (BufferError, Exception) as exc:  # noqa: BLE001 -- reported, not raised
-                delivery.done, delivery.error = True, f"{type(exc).__name__}: {exc}"
+                delivery._refused(exc)
         except Exception as exc:  # noqa: BLE001 -- e.g. a message over message.max.bytes
-            delivery.done, delivery.error = True, f"{type(exc).__name__}: {exc}"
+            delivery._refused(exc)
         self._producer.poll(0)
         return delivery
 

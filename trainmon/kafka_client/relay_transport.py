@@ -30,7 +30,7 @@ from typing import Callable
 from ..producer.deferred import VALUES_AT
 from ..relay import frames
 from .errors import TransportUnavailable
-from .transport import Entry, TransportSettings, Undelivered
+from .transport import Entry, TransportSettings, Undelivered, split_or_drop
 
 log = logging.getLogger("trainmon.producer")
 
@@ -258,7 +258,7 @@ class RelayTransport:
                 if self.on_ack is not None:
                     self.on_ack()
             else:
-                self._report(item)
+                self._report(item, too_large=status == frames.TOO_LARGE)
         if gone is not None:
             # After the answers that came before it went (a relay that stops answers what
             # Kafka took, then closes): those messages are not sent again.
@@ -293,11 +293,19 @@ class RelayTransport:
         for item in waiting.values():
             self._report(item)
 
-    def _report(self, waiting: tuple[Entry | _Values, float, Undelivered | None]) -> None:
-        """A message that failed, to its failure handler (values written as JSON first)."""
+    def _report(self, waiting: tuple[Entry | _Values, float, Undelivered | None], too_large: bool = False) -> None:
+        """A message that failed, to its failure handler (values written as JSON first).
+        One the relay's Kafka client refused by itself as too large (``too_large``) would be
+        refused again at every resend: as where a rank's own client refuses one
+        (confluent_transport.py), its records go back one per message, and a single record
+        is dropped and counted."""
         message, _, on_undelivered = waiting
         if type(message) is _Values:
             message = message.entry()
             if message is None:
                 return
+        if too_large:
+            self.dropped += split_or_drop(message, on_undelivered or self._on_undelivered,
+                                          "the relay's Kafka client refused it")
+            return
         (on_undelivered or self._on_undelivered)([message])

@@ -7,7 +7,11 @@ A frame is a 4-byte big-endian length, then that many bytes: a type byte and its
 - ``E`` entry (rank -> relay): an id (the rank's own, 8 bytes), the topic and key lengths
   (2 bytes each), the topic, the key, then the value (one record or packed ones).
 - ``A`` answers (relay -> rank): ids with a status byte each, ``OK`` once Kafka stored the
-  entry, ``FAILED`` once it gave up on it (the rank keeps the entry and sends it again).
+  entry, ``FAILED`` once it gave up on it (the rank keeps the entry and sends it again),
+  ``TOO_LARGE`` where the relay's Kafka client refused the entry by itself as over its
+  message size (the rank splits it into its records, or drops a single record: sent again
+  it would be refused again). A rank of an earlier version takes any status but ``OK`` for
+  ``FAILED``, as before; an earlier relay never sends it.
   The hello is answered too, as id 0 (``HELLO_ID``), ``TAKES_VALUES`` where the relay's
   schema is the rank's own: the relay then writes records from their values.
 - ``L`` layout (rank -> relay): a layout's id (2 bytes), then, as JSON, what the records
@@ -30,7 +34,7 @@ import socket
 import struct
 
 HELLO, ENTRY, ANSWERS, LAYOUT, VALUES = b"H", b"E", b"A", b"L", b"V"
-OK, FAILED, TAKES_VALUES = 0, 1, 2
+OK, FAILED, TAKES_VALUES, TOO_LARGE = 0, 1, 2, 3
 HELLO_ID = 0  # (a rank numbers its entries from 1)
 
 _LENGTH = struct.Struct(">I")

@@ -11,7 +11,9 @@ partition anyway). The ranks of a data-parallel job log each step within millise
 each other, so a short window catches them all.
 
 Answers: a rank's message is answered OK once Kafka acknowledged the message that carries
-it, FAILED once Kafka gave up on it (the rank spills it and sends it again). A rank that
+it, FAILED once Kafka gave up on it (the rank spills it and sends it again), TOO_LARGE
+where the relay's Kafka client refused it alone as over its message size (the rank
+splits or drops it, as where its own client refuses a message). A rank that
 disconnects gets no answers; it counts its unanswered messages as failed and sends them
 again (a message may then reach Kafka twice; consumers keep a record once, by event id).
 Ordering: one Kafka request in flight, messages in arrival order, so each rank's records
@@ -348,10 +350,26 @@ class Relay:
         for (topic, key, fingerprint), members in pending.items():
             headers = [(SCHEMA_HEADER, fingerprint)] if fingerprint else None
             for chunk in _chunks(self._written(members)):
-                value = pack([value for _, _, value in chunk])
-                self._deliveries.append((self.kafka.send(topic, value, key=key or None, headers=headers), chunk))
-                self.stats.kafka_messages += 1
-                self.stats.records += count(value)
+                self._send(topic, key, headers, chunk)
+
+    def _send(self, topic: str, key: bytes, headers: list | None, chunk: list[_Member]) -> None:
+        value = pack([value for _, _, value in chunk])
+        delivery = self.kafka.send(topic, value, key=key or None, headers=headers)
+        if delivery.too_large:
+            # Refused by the client, unsent, as over its message size: sent again as it is,
+            # it would be refused again. Several ranks' messages go again in two halves (in
+            # order), so that only one too large by itself is refused (_answer: TOO_LARGE).
+            if len(chunk) > 1:
+                half = len(chunk) // 2
+                self._send(topic, key, headers, chunk[:half])
+                self._send(topic, key, headers, chunk[half:])
+                return
+            log.error("trainmon relay: Kafka's client refused a rank's %s-byte message on %s as too large "
+                      "(%s); the rank drops it, or sends its records one per message",
+                      f"{len(value):,}", topic, delivery.error)
+        self._deliveries.append((delivery, chunk))
+        self.stats.kafka_messages += 1
+        self.stats.records += count(value)
 
     def _written(self, members: list[_Member]) -> list[_Member]:
         """The members, values written as JSON; one that cannot be written is answered
@@ -382,7 +400,9 @@ class Relay:
                 still.append((delivery, members))
                 continue
             status = frames.FAILED if delivery.failed else frames.OK
-            if delivery.failed:
+            if delivery.too_large:  # (a rank's message alone: _send said so)
+                status = frames.TOO_LARGE
+            elif delivery.failed:
                 self.stats.failed += len(members)
                 log.warning("trainmon relay: Kafka gave up on a message of %d rank message(s): %s; "
                             "the ranks send them again", len(members), delivery.error)
