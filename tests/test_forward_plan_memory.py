@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from trainmon.consumers.forwarding import ProgressStore, RunProgress, RunWork
+from trainmon.consumers.forwarding import ProgressStore, RunProgress, RunWork, arg_parser, parse_ranks
 from trainmon.consumers.runtime import RetryPolicy
 from trainmon.consumers.metric_names import stream_key
 from trainmon.kafka_client.memory_consumer import committed_offsets
@@ -218,3 +218,44 @@ def test_a_run_without_a_start_record_is_forwarded_after_the_wait(broker, produc
     drain(waiting, more)  # once forwarded, its points no longer wait
     assert time.monotonic() - began < 1.0
     waiting.runtime.close()
+
+
+def test_only_the_chosen_ranks_points_are_mirrored_and_every_offset_is_committed(broker, producers, tmp_path):
+    """--ranks 0 (TRAINMON_FORWARD_RANKS): rank 1's points are left out, counted; rank 0's
+    all arrive, and the run's start and end; every message is committed (a point left out
+    is not read again)."""
+    sent = log_run(producers, "ranks-run")
+    tracker = KeepingTracker()
+    fwd = make_memory_forwarder(tracker, broker, PREFIX, "fwd-ranks", tmp_path / "progress",
+                                ranks=parse_ranks("0"))
+    drain(fwd, sent)
+    fwd.runtime.flush_and_commit()
+    fwd.runtime.close()
+    records = [r for w in tracker.durable for r in w.records]
+    assert {r.rank for r in records} == {0}
+    assert sorted(r.step for r in records if r.kind == "step") == list(range(STEPS))
+    assert fwd.stats.left_out == 2 * STEPS  # rank 1's step and gpu records
+    assert [w.ended for w in tracker.durable if w.ended] == ["success"]
+    assert [w.config["trainmon"]["run_id"] for w in tracker.durable if w.config] == ["ranks-run"]
+    committed = committed_offsets(broker, "fwd-ranks")
+    assert sum(committed.values()) == sum(len(broker.topics[tp.topic]) for tp in committed)
+
+
+@pytest.mark.parametrize("text, ranks", [("all", None), ("ALL", None), ("0", {0}), ("0,3,8-10", {0, 3, 8, 9, 10})])
+def test_ranks_are_read_from_a_list(text, ranks):
+    assert parse_ranks(text) == (None if ranks is None else frozenset(ranks))
+
+
+@pytest.mark.parametrize("text, named", [("a", "'a'"), ("3-1", "'3-1'"), ("-1", "'-1'"), ("0,,1", "''")])
+def test_a_wrong_rank_list_names_the_part(text, named):
+    with pytest.raises(ValueError, match="is not a") as caught:
+        parse_ranks(text)
+    assert named in str(caught.value) and repr(text) in str(caught.value)
+
+
+def test_the_ranks_option_defaults_to_trainmon_forward_ranks(monkeypatch):
+    monkeypatch.delenv("TRAINMON_FORWARD_RANKS", raising=False)
+    assert arg_parser("tensorboard", "x").parse_args([]).ranks is None  # every rank
+    monkeypatch.setenv("TRAINMON_FORWARD_RANKS", "0-1")
+    assert arg_parser("tensorboard", "x").parse_args([]).ranks == frozenset({0, 1})
+    assert arg_parser("tensorboard", "x").parse_args(["--ranks", "all"]).ranks is None

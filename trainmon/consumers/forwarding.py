@@ -130,6 +130,7 @@ class RunWork:
     start: RunRecord | None = None  # the run start record, for names and project
     ended: str | None = None  # end status, when the run ended in this batch
     skipped: int = 0  # records of this batch the run already has
+    left_out: int = 0  # points of ranks the forwarder does not mirror (--ranks)
 
     @property
     def started(self) -> bool:
@@ -197,9 +198,11 @@ def _merge(base: dict, updates: dict) -> dict:
     return merged
 
 
-def plan(messages: list[Message], store: ProgressStore) -> dict[str, RunWork]:
+def plan(messages: list[Message], store: ProgressStore,
+         ranks: frozenset[int] | None = None) -> dict[str, RunWork]:
     """Split a batch by run and drop what each run already has (counted in each
-    ``RunWork.skipped``)."""
+    ``RunWork.skipped``) and the points of ranks not in ``ranks`` (None: every rank;
+    counted in ``RunWork.left_out``)."""
     works: dict[str, RunWork] = {}
     for message in messages:
         record = message.record
@@ -208,6 +211,9 @@ def plan(messages: list[Message], store: ProgressStore) -> dict[str, RunWork]:
             work = works[record.run_id] = RunWork(record.run_id, copy.deepcopy(store.get(record.run_id)))
         progress = work.progress
         if record.kind in STEP_KINDS:
+            if ranks is not None and record.rank not in ranks:
+                work.left_out += 1
+                continue
             key = stream_key(record)
             if record.step <= progress.high_water.get(key, -1):
                 work.skipped += 1
@@ -240,6 +246,7 @@ class ForwarderStats:
     batches: int = 0
     records: int = 0
     skipped: int = 0
+    left_out: int = 0
     retries: int = 0
     seconds_in_sink: float = 0.0
 
@@ -254,8 +261,9 @@ class ForwardingSink(runtime.Sink):
     kinds = FORWARDED_KINDS
 
     def __init__(self, target: ExperimentTracker, store: ProgressStore, *, batch_records: int = 5000,
-                 linger_ms: int = 500, idle_close_seconds: float = 600.0):
+                 linger_ms: int = 500, idle_close_seconds: float = 600.0, ranks: frozenset[int] | None = None):
         self.target = target
+        self.ranks = ranks  # the ranks whose points are mirrored (None: every rank)
         self.name = f"{target.name} forwarder"
         self.group = default_group(target.name)
         self.store = store
@@ -305,7 +313,7 @@ class ForwardingSink(runtime.Sink):
         if self._durable is None:  # (else: a batch the tracker has, whose progress failed to save)
             if not self._batch:
                 return
-            works = plan(self._batch, self.store)
+            works = plan(self._batch, self.store, self.ranks)
             waiting = self._waiting_for_start(works)
             ready = [work for run_id, work in works.items() if run_id not in waiting]
             written = [work for work in ready if not work.empty]
@@ -337,6 +345,7 @@ class ForwardingSink(runtime.Sink):
         self.stats.batches += 1
         self.stats.records += planned - len(held)
         self.stats.skipped += sum(work.skipped for work in ready)
+        self.stats.left_out += sum(work.left_out for work in ready)
         self._batch, self._held = held + self._batch[planned:], len(held)
 
     def pre_commit(self, positions: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
@@ -374,6 +383,31 @@ class ForwardingSink(runtime.Sink):
 
 # -- the command line shared by the three forwarders ---------------------------------------
 
+def parse_ranks(text: str) -> frozenset[int] | None:
+    """``all`` -> None (every rank); ``0,3,8-15`` -> those ranks. ValueError naming what
+    is wrong (argparse shows it as the option's error)."""
+    if text.strip().lower() == "all":
+        return None
+    ranks: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        try:
+            low, high = int(first), int(last) if dash else int(first)
+        except ValueError:
+            raise ValueError(f"ranks {text!r}: {part.strip()!r} is not a rank or a range like 0-7") from None
+        if low < 0 or high < low:
+            raise ValueError(f"ranks {text!r}: {part.strip()!r} is not a range of ranks from 0")
+        ranks.update(range(low, high + 1))
+    return frozenset(ranks)
+
+
+def _ranks_option(text: str) -> frozenset[int] | None:
+    try:
+        return parse_ranks(text)
+    except ValueError as exc:  # (argparse shows an ArgumentTypeError's own words)
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def default_group(tracker_name: str) -> str:
     return f"trainmon-{tracker_name}"
 
@@ -389,6 +423,11 @@ def arg_parser(tracker_name: str, description: str) -> argparse.ArgumentParser:
                         help="how long to wait to fill a batch (default: %(default)s)")
     parser.add_argument("--idle-close-seconds", type=float, default=600.0,
                         help="close a run's handle after this long without records (default: %(default)s)")
+    parser.add_argument("--ranks", type=_ranks_option, default=os.environ.get("TRAINMON_FORWARD_RANKS", "all"),
+                        help="the ranks whose points are mirrored: all, or a list like 0 or 0-7,12 "
+                             "(default: TRAINMON_FORWARD_RANKS or all; a run of thousands of ranks "
+                             "is one chart per rank and metric: mirror rank 0, as HF and Megatron log "
+                             "to W&B)")
     serving.add_exit_when_idle_argument(parser)
     serving.add_metrics_arguments(parser)
     return parser
@@ -404,7 +443,8 @@ def forward(args: argparse.Namespace, make_tracker: Callable[[], tuple[Experimen
         print(exc, file=sys.stderr)
         return 2
     sink = ForwardingSink(tracker, ProgressStore(state_dir), batch_records=args.batch_records,
-                          linger_ms=args.linger_ms, idle_close_seconds=args.idle_close_seconds)
+                          linger_ms=args.linger_ms, idle_close_seconds=args.idle_close_seconds,
+                          ranks=args.ranks)
     serving.serve(sink, group=args.group, topic_prefix=args.topic_prefix, stop=runtime.stop_on_signals(),
                   exit_when_idle_s=args.exit_when_idle_s, **serving.metrics_options(args))
     log.info("trainmon: %s stopped: %s", sink.name, sink.stats)
