@@ -81,11 +81,10 @@ def create_rollups(client, database: str) -> list[str]:
     do), or rows inserted between the view's creation and the backfill count twice."""
     created = []
     for name, (table, view, backfill) in rollups(database).items():
-        existed = bool(client.query("SELECT count() FROM system.tables WHERE database = {db:String} "
-                                    "AND name = {t:String}",
-                                    parameters={"db": database, "t": name}).result_rows[0][0])
+        key = _sorting_key(client, database, name)
+        existed = key is not None
         if existed and (name in PROBES and not _readable(client, PROBES[name].format(db=database))
-                        or _sorting_key(client, database, name) != _order_by(table)):
+                        or key != _order_by(table)):
             # made by an older version, with columns this one cannot read or in another
             # order (rank_10s was time first): made again
             client.command(f"DROP VIEW IF EXISTS {database}.{name}_mv")
@@ -100,9 +99,11 @@ def create_rollups(client, database: str) -> list[str]:
     return created
 
 
-def _sorting_key(client, database: str, name: str) -> str:
-    return client.query("SELECT sorting_key FROM system.tables WHERE database = {db:String} AND name = {t:String}",
-                        parameters={"db": database, "t": name}).result_rows[0][0]
+def _sorting_key(client, database: str, name: str) -> str | None:
+    """The table's key as system.tables spells it; None where there is no such table."""
+    rows = client.query("SELECT sorting_key FROM system.tables WHERE database = {db:String} AND name = {t:String}",
+                        parameters={"db": database, "t": name}).result_rows
+    return rows[0][0] if rows else None
 
 
 def _order_by(create_table: str) -> str:
