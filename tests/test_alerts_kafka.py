@@ -150,3 +150,40 @@ def test_publishing_a_failed_run_of_thousands_of_ranks_does_not_fail_forever(boo
             raise AssertionError(f"never published: {errors[-1]}")
     finally:
         publisher.close()
+
+
+def test_an_alert_is_on_its_topic_before_the_rest_of_its_batch_is_flushed(bootstrap, topic_prefix, tmp_path):
+    """A rule's finding goes out as the record is judged, not at the batch's flush: at
+    16,384 ranks a poll's 10,000 records take the engine 1-2 s, which a page would wait."""
+    from datetime import datetime, timedelta, timezone
+
+    from trainmon.consumers.alerts.alert_topic import AlertLog, AlertPublisher
+    from trainmon.consumers.stream import Message
+    from trainmon.schemas import StepRecord
+
+    from .alerts_support import make_service, wait_for
+
+    env = service_env(bootstrap)
+    service = make_service(env, topic_prefix, tmp_path)
+    service._publisher = AlertPublisher(service.alert_topic, env)  # (what run() opens)
+    t0 = datetime(2026, 11, 27, 12, tzinfo=timezone.utc)
+    topic = topics.topic_for("step", topic_prefix)
+    messages = [Message("step", topic, 0, step, b"r", b"", StepRecord(
+        run_id="early", rank=0, world_size=1, host="n0", event_id=f"early-{step}",
+        time=t0 + timedelta(seconds=step), step=step,
+        loss=math.nan if step == 5 else 2.0 - 0.002 * step, norm=1.0 + 0.01 * (step % 7), lr=1e-4,
+        duration_ms=1000.0 + step % 3)) for step in range(50)]
+    alert_log = AlertLog(service.alert_topic, env)
+    try:
+        service.put(messages)  # judged; no flush yet
+        found: list = []
+        wait_for(lambda: found.extend(alert_log.read()[0]) or bool(found), timeout=30,
+                 what="the NaN's alert on the alert topic before any flush")
+        assert [(a.rule, a.state, a.step) for a in found] == [("non_finite", "firing", 5),
+                                                               ("non_finite", "resolved", 6)]
+        service._publisher.publish(service._unpublished)  # (the flush): acknowledged, not sent again
+        again = alert_log.read()[0]
+        assert [a.event_id for a in again] == [a.event_id for a in found]
+    finally:
+        alert_log.close()
+        service._publisher.close()

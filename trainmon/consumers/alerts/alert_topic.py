@@ -54,9 +54,7 @@ class AlertPublisher:
         Raises RetriableError when it has not confirmed them all: the same call later sends
         again those Kafka refused and waits again for those still in flight, never sending
         one twice. (The caller retries with the consumer runtime's policy.)"""
-        for alert in alerts:
-            if alert.event_id not in self.published and alert.event_id not in self._inflight:
-                self._inflight[alert.event_id] = (alert, self._send(alert))
+        self.send(alerts)
         if not self._inflight:
             return
         self._producer.flush(5)
@@ -72,6 +70,14 @@ class AlertPublisher:
         if refused or self._inflight:
             raise RetriableError(f"{refused} alert(s) refused by {self.topic}, {len(self._inflight)} "
                                  f"not acknowledged yet")
+
+    def send(self, alerts: list[AlertRecord]) -> None:
+        """Send the alerts not on the topic yet, without waiting: ``publish`` waits for them
+        later. The service sends each alert as soon as a rule finds it, so a page does not
+        wait for the rest of the batch (10,000 records, 1-2 s at 16,384 ranks) to be judged."""
+        for alert in alerts:
+            if alert.event_id not in self.published and alert.event_id not in self._inflight:
+                self._inflight[alert.event_id] = (alert, self._send(alert))
 
     def _send(self, alert: AlertRecord):
         return self._producer.send(self.topic, encode(alert), key=alert.incident_id.encode())

@@ -151,17 +151,25 @@ class AlertService(runtime.Sink):
         self.ownership.revoke(partitions)
 
     def put(self, messages: list[Message]) -> None:
-        engine, ownership = self.engine, self.ownership
+        engine, ownership, publisher = self.engine, self.ownership, self._publisher
         received = time.time()
         for m in messages:
             warm = ownership.saw(m.topic, m.partition, m.offset, m.record.run_id)
             engine.warming_up = warm
             try:
-                self._unpublished.extend(engine.process(m.record, received))
+                found = engine.process(m.record, received)
             except Exception as exc:  # a record the rules trip over must not stop the service
+                found = None
                 self.stats["errors"] += 1
                 log.exception("trainmon alerts: engine failed on %s[%d]@%d", m.topic, m.partition, m.offset)
                 self.context.dead_letter(m, f"alert engine failed on this record: {exc!r}")
+            if found:
+                # Sent now, acknowledged at flush: what a rule finds early in a batch goes
+                # out before the rest of the batch is judged. A crash before the flush
+                # leaves it on the topic, as one after a flush's publish does.
+                if publisher is not None:
+                    publisher.send(found)
+                self._unpublished.extend(found)
             self.stats["warmup" if warm else "records"] += 1
         engine.warming_up = False
         self._put_since_flush = True
