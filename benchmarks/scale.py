@@ -87,7 +87,6 @@ LOG_JITTER_S = 0.05  # a rank logs its step 0-50 ms after the step ends ...
 NODE_SKEW_S = 0.02  # ... plus its node's own 0-20 ms
 GPUS_PER_NODE = 8
 HOT_CLOCK_MHZ, HOT_TEMP_C = 1410, 86  # a GPU in thermal slowdown: clocks held down, below the 87 C limit
-SENDER_PACK_WINDOW_MS = 50  # see sender()
 HICCUP_P = 0.001  # one rank-step in 1,000 is a single slow step (1.3-2.5x)
 MESSAGE_LIMIT = 300  # characters: an alert about 1,024 ranks a person still reads
 TARGET_S = 2.0
@@ -197,13 +196,10 @@ def sender(scn: Scenario, prefix: str, bootstrap: str, spill_dir: str, index: in
 
     utc = timezone.utc
     ranks = scn.ranks_of(index)
-    # One producer here speaks for thousands of ranks. A real rank logging a step every
-    # few seconds sends each record from its log call (the pack window holds records only
-    # while one loop logs faster than once per window), so the window here is short: a
-    # record waits at most SENDER_PACK_WINDOW_MS, where the default 800 ms would add up to
-    # 0.8 s of lag no real rank has. With a clock `speedup` times faster, the default
-    # window shrinks by as much, if that is shorter still.
-    window_ms = min(SENDER_PACK_WINDOW_MS, ProducerConfig.pack_window_ms / scn.speedup)
+    # The record clock runs `speedup` times faster than the wall clock, so the producer's
+    # pack window shrinks by as much: records are packed over as much record time as in a
+    # real run (the default window), not `speedup` times more.
+    window_ms = ProducerConfig.pack_window_ms / scn.speedup
     producer = Producer(ProducerConfig(bootstrap=bootstrap, topic_prefix=prefix, run_id=scn.run_id,
                                        rank=ranks[0], world_size=scn.ranks, spill_dir=Path(spill_dir),
                                        queue_size=2_000_000, pack_window_ms=window_ms))
@@ -397,27 +393,67 @@ def start_alerts(scn: Scenario, bootstrap: str, prefix: str, work: Path):
                                 stderr=subprocess.STDOUT)
 
 
-class CpuTimeline(threading.Thread):
-    """Once a second: CPU seconds of the given processes and of the whole machine, into a
-    CSV in the work directory (what competed for the cores when, for a run kept with --keep)."""
+class GroupLag:
+    """A consumer group's lag per record kind: Kafka messages on the kind's topic past the
+    group's committed offsets (the services commit after every batch), asked of the broker
+    without joining the group."""
 
-    def __init__(self, path: Path, pids: dict[str, int]):
+    def __init__(self, group: str, kinds: tuple[str, ...], prefix: str, bootstrap: str):
+        from trainmon.kafka_client import Consumer, TopicPartition
+
+        self._reader = Consumer(group, bootstrap=bootstrap)
+        self.parts = {kind: [TopicPartition(topics.topic_for(kind, prefix), p)
+                             for p in self._reader.partitions_for(topics.topic_for(kind, prefix))]
+                      for kind in kinds}
+
+    def sample(self) -> dict[str, int]:
+        every = [tp for parts in self.parts.values() for tp in parts]
+        committed = self._reader.committed(every, 5.0)
+        ends = self._reader.end_offsets(every, 5.0)
+        return {kind: sum(max(0, ends[tp] - (committed.get(tp) or 0)) for tp in parts)
+                for kind, parts in self.parts.items()}
+
+    def close(self) -> None:
+        self._reader.close()
+
+
+class CpuTimeline(threading.Thread):
+    """Once a second: CPU seconds of the given processes and of the whole machine, and the
+    services' lag per kind (messages not committed yet), into a CSV in the work directory
+    (what competed for the cores when, and who fell behind, for a run kept with --keep)."""
+
+    def __init__(self, path: Path, pids: dict[str, int], lags: dict[str, GroupLag]):
         super().__init__(daemon=True)
-        self.path, self.pids = path, pids
+        self.path, self.pids, self.lags = path, pids, lags
+        self.max_lag: dict[str, tuple[int, float]] = {}  # "service kind" -> (messages, wall)
         self.done = threading.Event()
 
     def run(self) -> None:
+        lag_columns = [f"{name}_lag_{kind}" for name, lag in self.lags.items() for kind in lag.parts]
         with open(self.path, "w") as f:
-            f.write("wall," + ",".join(self.pids) + ",machine_busy,machine_total\n")
+            f.write("wall," + ",".join(self.pids) + ",machine_busy,machine_total," + ",".join(lag_columns) + "\n")
             while not self.done.wait(1.0):
-                row = [f"{time.time():.3f}"]
+                now = time.time()
+                row = [f"{now:.3f}"]
                 for pid in self.pids.values():
                     try:
                         row.append(f"{proc_sample(pid)[0]:.2f}")
                     except OSError:
                         row.append("")
                 busy, total = machine_sample()
-                f.write(",".join(row + [f"{busy:.2f}", f"{total:.2f}"]) + "\n")
+                row += [f"{busy:.2f}", f"{total:.2f}"]
+                for name, lag in self.lags.items():
+                    try:
+                        behind = lag.sample()
+                    except Exception:  # noqa: BLE001 -- a figure missed, not the run
+                        row += [""] * len(lag.parts)
+                        continue
+                    for kind, n in behind.items():
+                        row.append(str(n))
+                        key = f"{name} {kind}"
+                        if n > self.max_lag.get(key, (-1, 0.0))[0]:
+                            self.max_lag[key] = (n, now)
+                f.write(",".join(row) + "\n")
                 f.flush()
 
 
@@ -548,8 +584,11 @@ def run(scn: Scenario, bootstrap: str, work: Path, progress=print) -> Result:
         cpu0, rss0, _ = proc_sample(alerts.pid)
         ch_cpu0 = proc_sample(ch.pid)[0]
         machine0 = machine_sample()
+        lags = {"alerts": GroupLag(f"{prefix}alerts", ("step", "gpu"), prefix, bootstrap),
+                "clickhouse": GroupLag(f"{prefix}clickhouse", ("step", "gpu"), prefix, bootstrap)}
         timeline = CpuTimeline(work / "cpu.csv", {"clickhouse": ch.pid, "alerts": alerts.pid,
-                                                  **{f"sender{i}": p.pid for i, p in enumerate(senders)}})
+                                                  **{f"sender{i}": p.pid for i, p in enumerate(senders)}},
+                               lags)
         timeline.start()
         t0 = time.time() + 0.5
         for c in conns:
@@ -566,6 +605,9 @@ def run(scn: Scenario, bootstrap: str, work: Path, progress=print) -> Result:
         machine1 = machine_sample()
         load = os.getloadavg()
         timeline.done.set()
+        timeline.join(10)
+        for lag in lags.values():
+            lag.close()
         a_cpu_sent = proc_sample(alerts.pid)[0]
         for p in senders:
             p.join(30)
@@ -593,7 +635,8 @@ def run(scn: Scenario, bootstrap: str, work: Path, progress=print) -> Result:
                   "senders_share": sum(r["cpu_s"] for r in results) / max(1e-9, sent_wall),
                   "machine_busy": (machine1[0] - machine0[0]) / max(1e-9, machine1[1] - machine0[1]),
                   "loadavg": load,
-                  "cores": os.cpu_count()}
+                  "cores": os.cpu_count(),
+                  "max_lag": {k: (n, at - t0) for k, (n, at) in timeline.max_lag.items()}}
 
         # ClickHouse: every row in, then the figures.
         where = f"run_id = '{scn.run_id}'"
@@ -689,6 +732,9 @@ def report(res: Result) -> list[tuple[str, bool]]:
                                            if e["machine_busy"] > 0.9 else "")
           + f"; load average at the end of sending {e['loadavg'][0]:.2f} / {e['loadavg'][1]:.2f} / "
             f"{e['loadavg'][2]:.2f} (1 / 5 / 15 min)")
+    if e.get("max_lag"):
+        print("  most messages a service had not committed (sampled once a second; a message packs "
+              "up to 500 records): " + ", ".join(f"{k} {n:,} at {at:.0f} s" for k, (n, at) in sorted(e["max_lag"].items())))
     p50, p99, worst = res.lag
     print(f"ingest lag (step row _inserted_at - wall time of its log call, {res.rows['step']:,} rows): "
           f"p50 {1000 * p50:.0f} ms, p99 {1000 * p99:.0f} ms, max {1000 * worst:.0f} ms")

@@ -51,11 +51,21 @@ def _fields(cls: type) -> tuple[tuple[dataclasses.Field, Any], ...]:
     return tuple((f, hints[f.name]) for f in dataclasses.fields(cls))
 
 
+@lru_cache(maxsize=None)
+def _sized_windows(cls: type) -> tuple[tuple[str, type, str], ...]:
+    """(field, window type, size setting) of each window field of ``cls``."""
+    return tuple((f.name, _window_type(tp), f.metadata[_SIZE]) for f, tp in _fields(cls)
+                 if _SIZE in f.metadata and _window_type(tp) is not None)
+
+
 def new(cls: type, cfg) -> Any:
-    """A fresh state, its windows sized by ``cfg``."""
-    sized = {f.name: _window_type(tp)(getattr(cfg, f.metadata[_SIZE]))
-             for f, tp in _fields(cls) if _SIZE in f.metadata and _window_type(tp) is not None}
-    return cls(**sized)
+    """A fresh state, its windows sized by ``cfg``. (Once per rule and rank: 16,384 ranks
+    make some 300,000 at their first step, or again when a resumed run starts over, so
+    the fields' types are looked at once per class, not per state.)"""
+    sized = _sized_windows(cls)
+    if not sized:
+        return cls()
+    return cls(**{name: window_type(getattr(cfg, setting)) for name, window_type, setting in sized})
 
 
 def dump(state: Any) -> Any:
