@@ -60,7 +60,7 @@ def _sized_windows(cls: type) -> tuple[tuple[str, type, str], ...]:
 
 def new(cls: type, cfg) -> Any:
     """A fresh state, its windows sized by ``cfg``. (Once per rule and rank: 16,384 ranks
-    make some 300,000 at their first step, or again when a resumed run starts over, so
+    make some 200,000 at their first step, or again when a resumed run starts over, so
     the fields' types are looked at once per class, not per state.)"""
     sized = _sized_windows(cls)
     if not sized:
