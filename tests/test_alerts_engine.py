@@ -303,3 +303,69 @@ def test_the_publishers_memory_of_sent_alerts_keeps_the_recent_ones_only():
     for n in range(250_000):
         many.add(f"run/rule/rank{n}#1/firing")
     assert len(many) == 100_000 and "run/rule/rank249999#1/firing" in many
+
+
+# -- judging a silent rank while the service is behind ------------------------------------
+
+
+def _gpu_ahead(run_id: str, ranks: int, t: float) -> list:
+    """A GPU record per rank at record time ``t``: another topic's partition read ahead."""
+    from trainmon.schemas import GpuRecord
+
+    return [GpuRecord(run_id=run_id, rank=r, world_size=ranks, host=f"node{r // 8}", event_id=f"ahead-{r}",
+                      time=datetime.fromtimestamp(t, timezone.utc), step=0, id=r % 8, clock=1900, max_clock=1980,
+                      power=600_000, power_limit=700_000, temperature=60, temp_slowdown=87, gpu_util=99,
+                      mem_util=40, dram_free=2**30, pcie_rx=1, pcie_tx=1, fan=0, throttle="")
+            for r in range(ranks)]
+
+
+def test_a_silent_rank_fires_while_behind_on_the_step_records_alone():
+    """tick_behind: rank 3 stopped at step 40 while the others reached step 60, one step a
+    second, all on the step topic: proven on the steps' own clock, without the tick that
+    waits for every partition to be read to its end."""
+    engine = engine_with(rank_mismatch_grace_s=10)
+    records = synthetic_run("behind", t0=T0, ranks=8, steps=61, stop_rank_at={3: 40}, end=False)
+    assert firing(process_records(engine, records)) == []
+    fired = firing(engine.tick_behind())
+    assert [(a.rule, a.ranks, a.step) for a in fired] == [("rank_mismatch", [3], 40)]
+    assert engine.tick_behind() == []  # open already: not again
+
+
+def test_while_behind_evidence_counts_once_held_for_the_slack():
+    """As on the full tick: what the engine received less than wall_clock_slack_s ago does
+    not count yet, so the full tick right after cannot resolve what this one fired."""
+    engine = engine_with(rank_mismatch_grace_s=10, wall_clock_slack_s=5)
+    records = synthetic_run("slack", t0=T0, ranks=8, steps=61, stop_rank_at={3: 40}, end=False)
+    received = time.time()
+    for record in records:
+        engine.process(record, received)
+    assert engine.tick_behind(now=received + 1) == []
+    assert [(a.rule, a.ranks) for a in firing(engine.tick_behind(now=received + 6))] == [("rank_mismatch", [3])]
+
+
+def test_while_behind_another_topic_read_ahead_proves_no_silence():
+    """The full tick on record time takes the run's latest record of any kind as now: a
+    GPU partition read 300 s ahead of the step partition makes a rank one step behind (mid
+    step) look silent for 300 s. tick_behind judges on the step records' clock instead."""
+    ranks = 8
+    records = synthetic_run("skew", t0=T0, ranks=ranks, steps=31, end=False)
+    records = [r for r in records if not (r.kind == "step" and r.step == 30 and r.rank == 5)]  # mid step 30
+    records = [r for r in records if r.kind in ("run", "step")] + _gpu_ahead("skew", ranks, T0 + 330)
+    behind = engine_with(rank_mismatch_grace_s=10)
+    process_records(behind, records)
+    assert behind.tick_behind() == []
+    full = engine_with(rank_mismatch_grace_s=10)
+    process_records(full, records)
+    assert [(a.rule, a.ranks) for a in firing(full.tick())] == [("rank_mismatch", [5])]  # why it waits
+
+
+def test_while_behind_an_open_mismatch_is_not_resolved_on_a_standing_clock():
+    """A hang (no step from any rank) opened on the wall clock stays open through ticks
+    while behind: the step clock stands still, which is no evidence that rank 5 is back."""
+    engine = engine_with(rank_mismatch_grace_s=3, wall_clock_slack_s=2)
+    records = synthetic_run("hang", t0=T0, ranks=8, steps=31, stop_rank_at={5: 29}, end=False)
+    process_records(engine, records)
+    last = max(r.time.timestamp() for r in records)
+    assert [(a.rule, a.ranks) for a in firing(engine.tick(now=last + 30))] == [("rank_mismatch", [5])]
+    assert engine.tick_behind() == []
+    assert [a.state for a in engine.book.open_incidents("hang")] == ["firing"]

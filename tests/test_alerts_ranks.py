@@ -226,3 +226,28 @@ def test_straggler_state_survives_a_checkpoint():
 
 def firing_events(events: list[tuple]) -> list:
     return [a for a, _ in events if a.state == "firing"]
+
+
+def test_a_service_that_stays_behind_still_names_a_silent_rank(tmp_path):
+    """No partition read to its end (a saturated machine, a backlog that does not drain):
+    the full tick never runs, and the silent rank is told from the step records alone, once
+    the partitions replayed as warm-up are past. (No broker: the service is driven by hand.)"""
+    from trainmon.consumers.stream import Message
+
+    from .alerts_support import make_service
+
+    # (No slack: the evidence counts as soon as it is read; the slack is the full tick's.)
+    env = service_env("127.0.0.1:9", rank_mismatch_grace_s=10, wall_clock_slack_s=0)
+    service = make_service(env, "tbehind.", tmp_path)
+    service._caught_up = lambda: False  # (the runtime's view of the partitions' ends)
+    records = synthetic_run("behind", t0=time.time() - 120, ranks=8, steps=61, stop_rank_at={3: 40}, end=False)
+    records = [r for r in records if r.kind in ("run", "step")]
+    topic = "tbehind.step"
+    service.ownership.warm_until[(topic, 0)] = len(records) + 1  # replaying what was judged before
+    service.put([Message(r.kind, topic, 0, offset, b"k", b"", r) for offset, r in enumerate(records)])
+    service.tick()
+    assert firing(service._unpublished) == []  # warm-up: nothing fires
+    service.ownership.warm_until.clear()
+    service.tick()
+    assert [(a.rule, a.ranks, a.step) for a in firing(service._unpublished)] == [("rank_mismatch", [3], 40)]
+    assert service.ticks == 0  # the full tick never ran

@@ -130,6 +130,21 @@ class AlertEngine:
                 _add(out, rule.tick(run, wall))
         return out
 
+    def tick_behind(self, now: float | None = None) -> list[AlertRecord]:
+        """While the service is behind (partitions not read to their end): the tick rules
+        that judge on one partition's records alone (``judges_while_behind``: a rank
+        behind the others' steps), at the step topic's own clock; ``now`` (wall clock)
+        only holds back evidence received less than the slack ago, as ``tick`` does. Ends
+        are not applied and nothing is forgotten here: other kinds may still be unread."""
+        out: list[AlertRecord] = []
+        rules = [r for r in self._tick_rules if r.judges_while_behind]
+        wall = None if now is None else now - self.config.wall_clock_slack_s
+        for run in self.runs.values():
+            if run.last_progress is not None:
+                for rule in rules:
+                    _add(out, rule.tick(run, wall, clock=run.last_progress))
+        return out
+
     def _lifecycle(self, record, t: float, run: RunState, rs) -> list[AlertRecord]:
         if record.world_size:
             run.world_size = record.world_size

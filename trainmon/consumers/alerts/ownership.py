@@ -44,6 +44,10 @@ class Ownership:
         self.run_partition[run_id] = partition
         return offset < self.warm_until.get(key, -1)
 
+    def warming(self) -> bool:
+        """Whether a partition is still being replayed as warm-up."""
+        return any(self.held.get(tp, 0) < until for tp, until in self.warm_until.items())
+
     def assign(self, partitions: list[TopicPartition]) -> list[str]:
         """The group's new assignment (all of it: the range assignor is eager). Returns the
         runs read from partition numbers this engine no longer holds: they are another

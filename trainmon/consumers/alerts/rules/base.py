@@ -151,6 +151,9 @@ class TickRule(Rule):
 
     kinds = ()
     whole_run = True
+    # Whether engine.tick_behind runs it: only a rule whose evidence lies on one partition
+    # (read in order) can judge while other partitions are still unread.
+    judges_while_behind = False
 
     def tick(self, run: RunState, wall: float | None):
         """``wall``: the wall clock (less the slack) for a live run, None to decide on

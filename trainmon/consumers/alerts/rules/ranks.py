@@ -236,8 +236,19 @@ class RankMismatchRule(TickRule, name="rank_mismatch", config=RankMismatch):
     catches = "one rank hung while the others wait in a collective"
     checked_on = "tests, the demo"
 
-    def tick(self, run, wall):
-        now = run.clock if wall is None else max(run.clock, wall)
+    # Judged also while the service is behind (engine.tick_behind): its evidence is the
+    # step records alone, all on the run's one partition of the step topic, read in order.
+    judges_while_behind = True
+
+    def tick(self, run, wall, clock: float | None = None):
+        """``clock``: the record time to judge at; default the run's latest of any kind.
+        While the service is behind, the time the run first reached its latest step: the
+        step topic's own clock, which another kind's partition read ahead cannot move.
+        Then it only fires: an incident the wall clock opened (a hang, no steps at all)
+        resolves on the full tick, not on a clock that stands still while nothing comes."""
+        while_behind = clock is not None
+        latest = run.clock if clock is None else clock
+        now = latest if wall is None else max(latest, wall)
         # One pass over the ranks, grouped by their latest step: ranks at one step are
         # behind by the same time, so that is looked up once per step, not once per rank
         # (mid-step, half of 1,024 ranks are a step behind the first to report).
@@ -254,7 +265,7 @@ class RankMismatchRule(TickRule, name="rank_mismatch", config=RankMismatch):
                 else:
                     group.append(rs)
         if sum(len(group) for group in at_step.values()) < 2:
-            return self.good_run(run, now)
+            return None if while_behind else self.good_run(run, now)
         # A rank with no step yet (its partition read later, e.g. when a producer's packed
         # messages arrive rank by rank) still needs the times of the steps it is behind.
         if stepped >= run.world_size:
@@ -262,12 +273,12 @@ class RankMismatchRule(TickRule, name="rank_mismatch", config=RankMismatch):
         lagging, worst = [], 0.0
         for step, group in at_step.items():
             if run.max_step - step >= self.cfg.min_steps_behind:
-                behind = self.behind_for(run, step, wall)
+                behind = self.behind_for(run, step, wall, clock)
                 if behind > self.cfg.grace_s:
                     lagging.extend(group)
                     worst = max(worst, behind)
         if not lagging:
-            return self.good_run(run, now)
+            return None if while_behind else self.good_run(run, now)
         active = [rs for group in at_step.values() for rs in group]
         lagging.sort(key=lambda rs: (rs.last_step, rs.rank))
         return self.bad_run(run, lagging, step=lagging[0].last_step, time=now, value=worst,
@@ -277,12 +288,19 @@ class RankMismatchRule(TickRule, name="rank_mismatch", config=RankMismatch):
                                 f"(grace {self.cfg.grace_s:g} s)"))
 
     @staticmethod
-    def behind_for(run: RunState, step: int, wall: float | None) -> float:
+    def behind_for(run: RunState, step: int, wall: float | None, clock: float | None = None) -> float:
         """Seconds since the run first passed ``step``: by the other ranks' record times,
         and for a live run by the wall clock. Either counts only once the engine has held
         that evidence for the slack itself, so a burst (a replay, a producer's spill, a
         batch still on its way to another partition) is not mistaken for a silent rank."""
         since, received = run.behind_since(step)
+        if clock is not None:
+            # While behind: the step records' clock alone (the engine's wall clock runs
+            # ahead of records it has not read), counted once held for the slack, as below:
+            # the full tick that follows must not resolve what this one fired.
+            if wall is not None and received is not None and wall < received:
+                return 0.0
+            return clock - since
         by_records = run.clock - since
         if wall is None or received is None:
             return by_records
