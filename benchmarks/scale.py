@@ -407,11 +407,8 @@ class GroupLag:
                       for kind in kinds}
 
     def sample(self) -> dict[str, int]:
-        every = [tp for parts in self.parts.values() for tp in parts]
-        committed = self._reader.committed(every, 5.0)
-        ends = self._reader.end_offsets(every, 5.0)
-        return {kind: sum(max(0, ends[tp] - (committed.get(tp) or 0)) for tp in parts)
-                for kind, parts in self.parts.items()}
+        behind = self._reader.uncommitted([tp for parts in self.parts.values() for tp in parts], 5.0)
+        return {kind: sum(behind[tp] for tp in parts) for kind, parts in self.parts.items()}
 
     def close(self) -> None:
         self._reader.close()

@@ -117,9 +117,7 @@ def group_lag(group: str, topics: list[str], *, env: dict | None = None, bootstr
     reader = Consumer(group, env=env, bootstrap=bootstrap)
     try:
         parts = [TopicPartition(t, p) for t in topics for p in reader.partitions_for(t)]
-        committed = reader.committed(parts, timeout_s)
-        ends = reader.end_offsets(parts, timeout_s)
-        return sum(max(0, ends[tp] - (committed.get(tp) or 0)) for tp in parts)
+        return sum(reader.uncommitted(parts, timeout_s).values())
     finally:
         reader.close()
 

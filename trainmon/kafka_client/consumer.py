@@ -320,6 +320,13 @@ class Consumer:
         # A partition the batch did not answer for is asked alone.
         return {tp: ends[tp] if tp in ends else self.watermarks(tp, timeout_s=timeout_s)[1] for tp in partitions}
 
+    def uncommitted(self, partitions: list[TopicPartition], timeout_s: float = 10.0) -> dict[TopicPartition, int]:
+        """Per partition, the messages past this consumer's group's committed offset (a
+        partition the group never committed counts from its start)."""
+        committed = self.committed(partitions, timeout_s)
+        ends = self.end_offsets(partitions, timeout_s)
+        return {tp: max(0, ends[tp] - (committed.get(tp) or 0)) for tp in partitions}
+
     def commit(self, offsets: dict[TopicPartition, int]) -> None:
         """Commit these next-offsets, synchronously."""
         if not offsets:

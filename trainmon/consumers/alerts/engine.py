@@ -50,6 +50,7 @@ class AlertEngine:
             for kind in rule.kinds:
                 self._by_kind[kind].append(rule)
         self._tick_rules = [r for r in self.rules.values() if isinstance(r, TickRule)]
+        self._behind_rules = [r for r in self._tick_rules if r.judges_while_behind]
         self._restarting = tuple(name for name, r in self.rules.items() if r.restarts_with_steps)
         self.runs: dict[str, RunState] = {}
         # Runs whose every rank ended, with when: late records of theirs change nothing.
@@ -137,11 +138,10 @@ class AlertEngine:
         only holds back evidence received less than the slack ago, as ``tick`` does. Ends
         are not applied and nothing is forgotten here: other kinds may still be unread."""
         out: list[AlertRecord] = []
-        rules = [r for r in self._tick_rules if r.judges_while_behind]
         wall = None if now is None else now - self.config.wall_clock_slack_s
         for run in self.runs.values():
             if run.last_progress is not None:
-                for rule in rules:
+                for rule in self._behind_rules:
                     _add(out, rule.tick(run, wall, clock=run.last_progress))
         return out
 

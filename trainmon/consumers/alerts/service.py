@@ -156,7 +156,7 @@ class AlertService(runtime.Sink):
         self.ownership.revoke(partitions)
 
     def put(self, messages: list[Message]) -> None:
-        engine, ownership, publisher = self.engine, self.ownership, self._publisher
+        engine, ownership = self.engine, self.ownership
         received = time.time()
         for m in messages:
             warm = ownership.saw(m.topic, m.partition, m.offset, m.record.run_id)
@@ -169,12 +169,7 @@ class AlertService(runtime.Sink):
                 log.exception("trainmon alerts: engine failed on %s[%d]@%d", m.topic, m.partition, m.offset)
                 self.context.dead_letter(m, f"alert engine failed on this record: {exc!r}")
             if found:
-                # Sent now, acknowledged at flush: what a rule finds early in a batch goes
-                # out before the rest of the batch is judged. A crash before the flush
-                # leaves it on the topic, as one after a flush's publish does.
-                if publisher is not None:
-                    publisher.send(found)
-                self._unpublished.extend(found)
+                self._send_now(found)
             self.stats["warmup" if warm else "records"] += 1
         engine.warming_up = False
         self._put_since_flush = True
@@ -191,9 +186,15 @@ class AlertService(runtime.Sink):
             self._behind_tick_at = time.monotonic() + BEHIND_TICK_S
             found = self.engine.tick_behind(time.time())
             if found:
-                if self._publisher is not None:
-                    self._publisher.send(found)
-                self._unpublished.extend(found)
+                self._send_now(found)
+
+    def _send_now(self, alerts: list[AlertRecord]) -> None:
+        """Alerts sent as they are found, acknowledged at the flush: what a rule finds early
+        in a batch goes out before the rest of the batch is judged. A crash before the
+        flush leaves them on the topic, as one after a flush's publish does."""
+        if self._publisher is not None:
+            self._publisher.send(alerts)
+        self._unpublished.extend(alerts)
 
 
     def flush_in_s(self) -> float | None:
