@@ -117,6 +117,23 @@ def test_a_silent_rank_does_not_hold_the_straggler_verdicts_back():
     assert fired == [("rank_mismatch", [2], 9, 31), ("straggler", [5], 104, 104)]
 
 
+def test_a_rank_whose_last_record_came_after_the_next_step_opened_is_not_waited_for_ever():
+    """Rank 2's last step (9) arrives just after rank 0's step 10 (two senders a moment
+    apart), then rank 2 is silent. It had reported "since step 10 was first reported", and
+    every later step used to wait for it (up to 256 steps): the straggler never fired
+    (benchmarks/scale.py --quick, once in three runs on a busy machine). A rank is waited
+    for only while it keeps reporting: at the next look, a pass over the ranks later, it
+    is given up on."""
+    engine = engine_with(rank_mismatch_grace_s=20)
+    records = steps_of("race", 8, range(140), slow={5: (100, 1.5)}, silent={2: 10})
+    last = next(r for r in records if r.rank == 2 and r.step == 9)
+    records.remove(last)
+    records.insert(records.index(next(r for r in records if r.step == 10)) + 1, last)
+    events = judged(engine, records)
+    fired = [(a.rule, a.ranks, a.step, seen) for a, seen in events if a.state == "firing"]
+    assert fired == [("rank_mismatch", [2], 9, 31), ("straggler", [5], 104, 104)]
+
+
 def test_a_rank_read_late_is_still_waited_for():
     """A rank whose records come later than the others' (its partition read behind, its
     producer's batch still on the way) by less than wait_s is still compared with them."""

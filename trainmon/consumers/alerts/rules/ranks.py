@@ -54,6 +54,7 @@ class PendingSteps:
     seq: int = transient(default=0)
     heard: dict[int, int] = transient(default_factory=dict)  # rank -> seq of its latest step time
     recheck: int = transient(default=0)  # the seq from which a step past wait_s is looked at again
+    looked: int = transient(default=0)  # the seq when a step past wait_s was last found still waited for
     judged: dict[int, int] = transient(default_factory=dict)  # rank -> the newest step it had a verdict at
     top: int = transient(default=-1)  # the run's highest step so far (lower again: its steps started over)
     # The newest step-record time: wait_s runs on it, not on the run's clock, which GPU
@@ -131,6 +132,7 @@ class StragglerRule(Rule, name="straggler", config=Straggler):
                     break
                 waiting, gave_up = self._give_up_on_silent(run, p, oldest)
                 if waiting:
+                    p.looked = p.seq
                     p.recheck = p.seq + len(run.ranks)  # (a pass over the ranks: once a step's worth)
                     break
             out.extend(self._judge(run, oldest, p.pop(oldest), p))
@@ -153,14 +155,23 @@ class StragglerRule(Rule, name="straggler", config=Straggler):
     @staticmethod
     def _give_up_on_silent(run: RunState, p: PendingSteps, step: int) -> tuple[bool, bool]:
         """For a step past wait_s: give up on the ranks it lacks that have not reached it
-        and reported no step time since it was first reported, and on the ranks never seen.
-        Returns (still waiting for ranks that report, behind it; gave up on any)."""
-        values, opened = p.steps[step], p.opened[step]
+        and reported no step time since it was first reported or since the last look (a
+        pass over the ranks ago), and on the ranks never seen. Returns (still waiting for
+        ranks that report, behind it; gave up on any).
+
+        "Since the last look" too: a rank whose last record came just after another rank's
+        first of the next step (two senders a moment apart) had reported "since" that step
+        opened, and was waited for ever after it went silent, holding every later step up
+        to MAX_PENDING_STEPS (a straggler after it never fired, benchmarks/scale.py --quick
+        on a busy machine). A rank that keeps reporting, however far behind, reports again
+        within a pass."""
+        values = p.steps[step]
+        heard_after = max(p.opened[step], p.looked)
         waiting, gave_up = False, False
         for rid, rs in run.ranks.items():
             if rid in values or rs.ended or rid in p.absent or (rs.last_step is not None and rs.last_step >= step):
                 continue  # reported it, finished, given up on, or past it without a time there
-            if p.heard.get(rid, 0) > opened:
+            if p.heard.get(rid, 0) > heard_after:
                 waiting = True
             else:
                 p.absent.add(rid)
