@@ -22,7 +22,11 @@ and producer processes that log step records through the public Producer API.
    is written) minus its ``time`` (set at the log call), p50 / p99 over all records.
 
 Beside wall-clock rates it prints the service's records per CPU-second (its process,
-all threads), a figure that holds on a machine shared with other work.
+all threads), a figure that holds on a machine shared with other work, and where the CPU
+goes per record: the producer processes delivering alone (the first phase, before the
+service starts) and, end to end, the producers, the service and the broker (its JVM, when
+the broker is this script's own). Together they say what bounds the end-to-end rate on
+a machine of N cores: about N / (their sum) records per second.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ def produce(bootstrap: str, prefix: str, run_id: str, rank: int, count: int, rat
         config.compression = None if compression == "none" else compression
     producer = Producer(config)
     start.wait()
-    began = time.perf_counter()
+    began, cpu = time.perf_counter(), sum(os.times()[:2])
     for step in range(count):
         producer.log_step(step, epoch=0.0, step_tokens=4096, duration_ms=250.0, loss=2.0,
                           norm=1.0, lr=3e-4, timers={"forward": 80.0, "backward": 160.0})
@@ -73,7 +77,9 @@ def produce(bootstrap: str, prefix: str, run_id: str, rank: int, count: int, rat
                 time.sleep(ahead)
     logged = time.perf_counter() - began
     producer.close(timeout=120)
-    results.put((rank, count / logged, producer.spilled, time.time()))
+    # (CPU of the whole process, librdkafka's threads too, from the first log call until
+    # everything was delivered.)
+    results.put((rank, count / logged, producer.spilled, time.time(), sum(os.times()[:2]) - cpu))
 
 
 COMPRESSION = "default"
@@ -176,6 +182,11 @@ def rate_text(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:,.0f}"
 
 
+def us_text(value: float) -> str:
+    """Microseconds as printed; '-' where not measured (an outside broker's CPU)."""
+    return "-" if math.isnan(value) else f"{value:.1f}"
+
+
 def latency_ms(endpoint, run_id: str) -> tuple[float, float, float]:
     out = sql(endpoint, "SELECT quantilesExact(0.5, 0.99, 1)(dateDiff('microsecond', time, _inserted_at)"
                         f" / 1000) FROM trainmon.step WHERE run_id = '{run_id}'")
@@ -220,7 +231,8 @@ def start_service(tmp: Path, bootstrap: str, prefix: str, batch_arguments: list[
 
 def burst(bootstrap, prefix, run_id, producers, total, spill_dir):
     """All producers log their share as fast as they can; returns (log-call rate,
-    spilled, perf_counter at the first log call, wall seconds until all were delivered)."""
+    spilled, perf_counter at the first log call, wall seconds until all were delivered,
+    the producer processes' CPU seconds)."""
     procs, start, results = run_producers(bootstrap, prefix, run_id, producers,
                                           total // producers, 0, spill_dir)
     began, began_wall = time.perf_counter(), time.time()
@@ -229,7 +241,7 @@ def burst(bootstrap, prefix, run_id, producers, total, spill_dir):
     for p in procs:
         p.join()
     return (sum(r[1] for r in rates), sum(r[2] for r in rates), began,
-            max(r[3] for r in rates) - began_wall)
+            max(r[3] for r in rates) - began_wall, sum(r[4] for r in rates))
 
 
 CONSUMER_TARGET, END_TO_END_TARGET, PACED_P99_TARGET_MS = 200_000, 100_000, 1000  # issue #30
@@ -246,7 +258,8 @@ def one_run(tmp: Path, bootstrap: str, broker, producers: int, total: int, batch
     service = None
     try:
         # 1. Consumer alone: drain records already in Kafka.
-        log_rate, spilled, _, delivered = burst(bootstrap, prefix, "drain", producers, total, spill)
+        log_rate, spilled, _, delivered, drain_producers_cpu = burst(bootstrap, prefix, "drain", producers,
+                                                                     total, spill)
         (tmp / f"run{index}").mkdir()
         service, endpoint = start_service(tmp / f"run{index}", bootstrap, prefix, batch_arguments)
         service_process = psutil.Process(service.pid)
@@ -261,17 +274,25 @@ def one_run(tmp: Path, bootstrap: str, broker, producers: int, total: int, batch
         drain_cpu = cpu_seconds(service_process) - started_cpu
         out = {"log_rate": log_rate, "spilled": spilled, "delivered": total / delivered,
                "consumer": total / (visible - ready), "drain_s": visible - ready, "join_s": ready - up,
-               "consumer_per_cpu_s": total / drain_cpu}
+               "consumer_per_cpu_s": total / drain_cpu, "producer_us": 1e6 * drain_producers_cpu / total}
         # 2. Everything at once: producers -> Kafka -> ClickHouse.
+        # Where the CPU goes end to end: the producer processes, the service, the broker
+        # (when it is this script's own), per record.
+        broker_process = psutil.Process(broker.pid()) if broker is not None and broker.pid() else None
+        broker_cpu = cpu_seconds(broker_process) if broker_process else math.nan
         burst_cpu = cpu_seconds(service_process)
         watcher = RowWatcher(endpoint, "burst", total).start()
-        log_rate, spilled, began, delivered = burst(bootstrap, prefix, "burst", producers, total, spill)
+        log_rate, spilled, began, delivered, producers_cpu = burst(bootstrap, prefix, "burst", producers, total,
+                                                                   spill)
         visible = watcher.wait(timeout=600)
         steady = steady_rate(watcher.samples, total)
         burst_cpu = cpu_seconds(service_process) - burst_cpu
+        broker_cpu = (cpu_seconds(broker_process) if broker_process else math.nan) - broker_cpu
         p50, p99, _ = latency_ms(endpoint, "burst")
         out.update(e2e=total / (visible - began), e2e_steady=steady if steady is not None else math.nan,
                    e2e_s=visible - began, e2e_per_cpu_s=total / burst_cpu,
+                   e2e_producer_us=1e6 * producers_cpu / total, e2e_service_us=1e6 * burst_cpu / total,
+                   e2e_broker_us=1e6 * broker_cpu / total,
                    e2e_log_rate=log_rate, e2e_spilled=spilled, e2e_delivered=total / delivered,
                    backlog_p50=p50, backlog_p99=p99, endpoint=endpoint, prefix=prefix)
         print(f"run {index + 1} of {runs}: consumer alone {out['consumer']:,.0f} records/s "
@@ -280,7 +301,9 @@ def one_run(tmp: Path, bootstrap: str, broker, producers: int, total: int, batch
               f"{out['e2e']:,.0f} records/s ({out['e2e_s']:.2f} s; {rate_text(out['e2e_steady'])}/s from 10 % to 90 % "
               f"of the rows; {out['e2e_per_cpu_s']:,.0f} per service "
               f"CPU-s); log calls {out['log_rate']:,.0f}/s, delivered to Kafka {out['delivered']:,.0f}/s; "
-              f"latency under backlog p50 {p50:.0f} ms, p99 {p99:.0f} ms", flush=True)
+              f"latency under backlog p50 {p50:.0f} ms, p99 {p99:.0f} ms; CPU per record: producers "
+              f"{out['producer_us']:.1f} us delivering alone, end to end producers {out['e2e_producer_us']:.1f}, "
+              f"service {out['e2e_service_us']:.1f}, broker {us_text(out['e2e_broker_us'])}", flush=True)
         out["service"] = service
         service = None
         return out
@@ -346,7 +369,9 @@ def main() -> int:
                 broker.stop()
     med = {k: median_of_measured([r[k] for r in results]) for k in ("consumer", "e2e", "e2e_steady",
                                                                       "consumer_per_cpu_s", "e2e_per_cpu_s",
-                                                                      "backlog_p99")}
+                                                                      "backlog_p99", "producer_us",
+                                                                      "e2e_producer_us", "e2e_service_us",
+                                                                      "e2e_broker_us")}
     each = {k: ", ".join(rate_text(r[k]) for r in results) for k in ("consumer", "e2e", "e2e_steady")}
     print(f"medians of {len(results)} runs:")
     print(f"  consumer alone (the service drains the topics into ClickHouse): {med['consumer']:,.0f} records/s "
@@ -356,6 +381,9 @@ def main() -> int:
           f"(runs: {each['e2e']}); "
           f"{med['e2e_per_cpu_s']:,.0f} records per service CPU-second; latency under backlog p99 "
           f"{med['backlog_p99']:.0f} ms")
+    print(f"  CPU per record (us): producers delivering alone {med['producer_us']:.1f}; end to end, "
+          f"producers {med['e2e_producer_us']:.1f}, service {med['e2e_service_us']:.1f}, broker "
+          f"{us_text(med['e2e_broker_us'])} (the machine's cores over them bound the end-to-end rate)")
     print(f"  end to end while the rows went from 10 % to 90 % of the records: {rate_text(med['e2e_steady'])} "
           f"records/s (runs: {each['e2e_steady']}; - where the rows came in too few steps to tell)")
     print(f"paced: {args.paced_rate:,.0f} records/s for {args.paced_seconds:.0f} s")
