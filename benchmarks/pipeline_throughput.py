@@ -278,7 +278,8 @@ def one_run(tmp: Path, bootstrap: str, broker, producers: int, total: int, batch
         # 2. Everything at once: producers -> Kafka -> ClickHouse.
         # Where the CPU goes end to end: the producer processes, the service, the broker
         # (when it is this script's own), per record.
-        broker_process = psutil.Process(broker.pid()) if broker is not None and broker.pid() else None
+        broker_pid = broker.pid() if broker is not None else None
+        broker_process = psutil.Process(broker_pid) if broker_pid else None
         broker_cpu = cpu_seconds(broker_process) if broker_process else math.nan
         burst_cpu = cpu_seconds(service_process)
         watcher = RowWatcher(endpoint, "burst", total).start()

@@ -322,7 +322,7 @@ class Consumer:
 
     def uncommitted(self, partitions: list[TopicPartition], timeout_s: float = 10.0) -> dict[TopicPartition, int]:
         """Per partition, the messages past this consumer's group's committed offset (a
-        partition the group never committed counts from its start)."""
+        partition the group never committed counts from offset 0)."""
         committed = self.committed(partitions, timeout_s)
         ends = self.end_offsets(partitions, timeout_s)
         return {tp: max(0, ends[tp] - (committed.get(tp) or 0)) for tp in partitions}

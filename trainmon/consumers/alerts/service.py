@@ -196,7 +196,6 @@ class AlertService(runtime.Sink):
             self._publisher.send(alerts)
         self._unpublished.extend(alerts)
 
-
     def flush_in_s(self) -> float | None:
         # A checkpoint falling due counts as something to flush; a poll waits poll_s at most.
         if self._put_since_flush or self._unpublished:
