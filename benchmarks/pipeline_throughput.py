@@ -1,7 +1,7 @@
 """Producers -> Kafka -> ClickHouse: sustained records/s and log-call-to-row latency.
 
     python benchmarks/pipeline_throughput.py [--records 300000] [--producers 2]
-                                             [--batch-rows N] [--batch-ms MS]
+                                             [--batch-rows N] [--batch-ms MS] [--warm-up-runs 1]
 
 Runs a real broker (its own, unless TRAINMON_KAFKA_BOOTSTRAP is set), the ClickHouse
 service as its own process on a fresh chDB directory (``trainmon consume clickhouse``),
@@ -12,9 +12,13 @@ and producer processes that log step records through the public Producer API.
    Consumer alone first (the records are in Kafka before the service starts; timed from
    its consumer group's partitions being assigned, the join printed apart), then end to
    end; ``--runs`` times (5), each on topics of its own with a fresh service, medians
-   reported with every run's figure. Beside the end-to-end rate, the rate while the rows
-   went from 10 % to 90 % of the records (counted every 0.1 s): the middle of the run,
-   without its start and its last batch. It is not the target's figure: by then the
+   reported with every run's figure. One run before them warms the broker up and is only
+   printed (``--warm-up-runs``): in a fresh broker's first run its JVM took 11-15 µs of
+   CPU per record, in the runs after 6 (measured), and a broker serving a cluster has run
+   for days.
+   Beside the end-to-end rate, the rate while the rows went from 10 % to 90 % of the
+   records (counted every 0.1 s): the middle of the run, without its start and its last
+   batch. It is not the target's figure: by then the
    producers have mostly stopped logging (a log call is cheaper than its delivery, so
    they queue ahead), and the service has the cores they used.
 2. paced: producers log at a fixed total rate (default 5,000/s, a busy 16-rank job);
@@ -248,7 +252,7 @@ CONSUMER_TARGET, END_TO_END_TARGET, PACED_P99_TARGET_MS = 200_000, 100_000, 1000
 
 
 def one_run(tmp: Path, bootstrap: str, broker, producers: int, total: int, batch_arguments: list[str],
-            index: int, runs: int) -> dict:
+            index: int, label: str) -> dict:
     """Consumer alone, then end to end, on topics of their own and a fresh service."""
     prefix = f"bench{uuid.uuid4().hex[:8]}."
     if broker is not None:  # an outside broker creates topics on first use
@@ -296,7 +300,7 @@ def one_run(tmp: Path, bootstrap: str, broker, producers: int, total: int, batch
                    e2e_broker_us=1e6 * broker_cpu / total,
                    e2e_log_rate=log_rate, e2e_spilled=spilled, e2e_delivered=total / delivered,
                    backlog_p50=p50, backlog_p99=p99, endpoint=endpoint, prefix=prefix)
-        print(f"run {index + 1} of {runs}: consumer alone {out['consumer']:,.0f} records/s "
+        print(f"{label}: consumer alone {out['consumer']:,.0f} records/s "
               f"({out['drain_s']:.2f} s after joining its group in {out['join_s']:.2f} s; "
               f"{out['consumer_per_cpu_s']:,.0f} per service CPU-s); end to end "
               f"{out['e2e']:,.0f} records/s ({out['e2e_s']:.2f} s; {rate_text(out['e2e_steady'])}/s from 10 % to 90 % "
@@ -319,6 +323,9 @@ def main() -> int:
     parser.add_argument("--records", type=int, default=300_000, help="burst phase record count")
     parser.add_argument("--producers", type=int, default=2)
     parser.add_argument("--runs", type=int, default=5, help="runs of the two burst phases (medians reported)")
+    parser.add_argument("--warm-up-runs", type=int, default=1,
+                        help="runs before those, printed and left out of the medians (default 1): a "
+                             "fresh broker spends twice the CPU per record in its first run")
     parser.add_argument("--paced-rate", type=float, default=5_000, help="records/s, paced phase")
     parser.add_argument("--paced-seconds", type=float, default=10)
     parser.add_argument("--compression", default="default",
@@ -343,13 +350,17 @@ def main() -> int:
               f"on topics of its own with a fresh ClickHouse service", flush=True)
         results, service = [], None
         try:
-            for i in range(args.runs):
+            for i in range(-args.warm_up_runs, args.runs):
                 if service is not None:
                     service.terminate()
                     service.wait(60)
-                result = one_run(tmp, bootstrap, broker, args.producers, total, batch_arguments, i, args.runs)
+                label = (f"run {i + 1} of {args.runs}" if i >= 0 else
+                         "warm-up run (a fresh broker's first; not in the medians)")
+                result = one_run(tmp, bootstrap, broker, args.producers, total, batch_arguments,
+                                 i + args.warm_up_runs, label)
                 service = result.pop("service")
-                results.append(result)
+                if i >= 0:
+                    results.append(result)
             # Paced, on the last run's service: the latency a training job sees.
             last = results[-1]
             per = int(args.paced_rate * args.paced_seconds) // args.producers
