@@ -46,7 +46,6 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Sequence
 
 from prometheus_client import Counter, Gauge, Histogram
@@ -114,14 +113,6 @@ class ClickHouseSink(runtime.Sink):
     name = "clickhouse loader"
     group = DEFAULT_GROUP
     counts_own_writes = True  # inserted by the writer's lanes, after the flush handed them over
-    # The broker answers a fetch once 1 MiB has come for it, or after fetch.wait.max.ms
-    # (100 ms): a stream of tens of thousands of records/s otherwise came in many small
-    # fetches, each costing this service and the broker, and rows wait for their batch
-    # (--batch-ms, 500 ms) anyway. Alternating runs of benchmarks/pipeline_throughput.py:
-    # end to end 48k and 58k records/s against 42k and 42k, the service 15.4 and 12.2 µs of
-    # CPU a record against 18.7 and 18.4, the broker 4.4 and 4.0 against 5.8; paced 5,000
-    # records/s, log call -> row p99 0.80 s against 0.72.
-    consumer_settings = MappingProxyType({"fetch.min.bytes": 1 << 20})
 
     def __init__(self, client, *, database: str, max_rows: int = BATCH_ROWS, max_wait_s: float = 0.5,
                  insert_clients: Sequence = (), env: dict | None = None, storage: str = ""):
