@@ -2,6 +2,7 @@
 
     python benchmarks/pipeline_throughput.py [--records 300000] [--producers 2]
                                              [--batch-rows N] [--batch-ms MS] [--warm-up-runs 1]
+                                             [--reference CHECKOUT]
 
 Runs a real broker (its own, unless TRAINMON_KAFKA_BOOTSTRAP is set), the ClickHouse
 service as its own process on a fresh chDB directory (``trainmon consume clickhouse``),
@@ -24,6 +25,12 @@ and producer processes that log step records through the public Producer API.
 2. paced: producers log at a fixed total rate (default 5,000/s, a busy 16-rank job);
    latency per record is the row's ``_inserted_at`` (set by ClickHouse when the insert
    is written) minus its ``time`` (set at the log call), p50 / p99 over all records.
+
+``--reference CHECKOUT`` (``git worktree add /tmp/ref COMMIT``) compares this checkout with
+other code: their runs alternate on the same broker (ABBA), each side's producers and
+service running its own code, and the ratios of the medians are printed. On a shared VM
+this is the comparison to trust: the rate drifts by a fifth within minutes, and 2 pairs of
+runs once showed a 20 % gain that 6 alternating pairs then turned into a 13 % loss.
 
 Beside wall-clock rates it prints the service's records per CPU-second (its process,
 all threads), a figure that holds on a machine shared with other work, and where the CPU
@@ -52,6 +59,11 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+# The code a producer process runs: this checkout's, or a reference checkout's (--reference),
+# named by the parent before it starts the process.
+CODE_ENV = "TRAINMON_BENCH_CODE"
+if os.environ.get(CODE_ENV):
+    sys.path.insert(0, os.environ[CODE_ENV])
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import wait_joined  # noqa: E402
@@ -89,8 +101,9 @@ def produce(bootstrap: str, prefix: str, run_id: str, rank: int, count: int, rat
 COMPRESSION = "default"
 
 
-def run_producers(bootstrap, prefix, run_id, producers, per_producer, rate, spill_dir):
+def run_producers(bootstrap, prefix, run_id, producers, per_producer, rate, spill_dir, code: Path = REPO):
     ctx = mp.get_context("spawn")
+    os.environ[CODE_ENV] = str(code)  # (a spawned process inherits the environment at start)
     start, results = ctx.Event(), ctx.Queue()
     procs = [ctx.Process(target=produce, args=(bootstrap, prefix, run_id, rank, per_producer,
                                                 rate / producers if rate else 0, start, results,
@@ -218,14 +231,15 @@ def warm_group_coordinator(bootstrap: str, topic: str) -> None:
         consumer.close()
 
 
-def start_service(tmp: Path, bootstrap: str, prefix: str, batch_arguments: list[str]):
-    env = dict(os.environ, TRAINMON_KAFKA_BOOTSTRAP=bootstrap, PYTHONPATH=str(REPO))
+def start_service(tmp: Path, bootstrap: str, prefix: str, batch_arguments: list[str], code: Path = REPO):
+    env = dict(os.environ, TRAINMON_KAFKA_BOOTSTRAP=bootstrap, PYTHONPATH=str(code))
     with open(tmp / "service.log", "ab") as log:
         service = subprocess.Popen(
             [sys.executable, "-m", "trainmon", "consume", "clickhouse", "--path",
              str(tmp / "chdb"), "--topic-prefix", prefix, "--group", f"{prefix}ch",
              *batch_arguments],
-            env=env, stdout=log, stderr=subprocess.STDOUT)
+            # (-m puts the working directory first on the path: the code's own)
+            env=env, stdout=log, stderr=subprocess.STDOUT, cwd=code)
     while (endpoint := find_endpoint(tmp / "chdb")) is None:
         if service.poll() is not None:
             raise RuntimeError((tmp / "service.log").read_text())
@@ -233,12 +247,12 @@ def start_service(tmp: Path, bootstrap: str, prefix: str, batch_arguments: list[
     return service, endpoint
 
 
-def burst(bootstrap, prefix, run_id, producers, total, spill_dir):
+def burst(bootstrap, prefix, run_id, producers, total, spill_dir, code: Path = REPO):
     """All producers log their share as fast as they can; returns (log-call rate,
     spilled, perf_counter at the first log call, wall seconds until all were delivered,
     the producer processes' CPU seconds)."""
     procs, start, results = run_producers(bootstrap, prefix, run_id, producers,
-                                          total // producers, 0, spill_dir)
+                                          total // producers, 0, spill_dir, code)
     began, began_wall = time.perf_counter(), time.time()
     start.set()
     rates = [results.get(timeout=600) for _ in procs]
@@ -252,7 +266,7 @@ CONSUMER_TARGET, END_TO_END_TARGET, PACED_P99_TARGET_MS = 200_000, 100_000, 1000
 
 
 def one_run(tmp: Path, bootstrap: str, broker, producers: int, total: int, batch_arguments: list[str],
-            index: int, label: str) -> dict:
+            index: int, label: str, code: Path = REPO) -> dict:
     """Consumer alone, then end to end, on topics of their own and a fresh service."""
     prefix = f"bench{uuid.uuid4().hex[:8]}."
     if broker is not None:  # an outside broker creates topics on first use
@@ -263,9 +277,9 @@ def one_run(tmp: Path, bootstrap: str, broker, producers: int, total: int, batch
     try:
         # 1. Consumer alone: drain records already in Kafka.
         log_rate, spilled, _, delivered, drain_producers_cpu = burst(bootstrap, prefix, "drain", producers,
-                                                                     total, spill)
+                                                                     total, spill, code)
         (tmp / f"run{index}").mkdir()
-        service, endpoint = start_service(tmp / f"run{index}", bootstrap, prefix, batch_arguments)
+        service, endpoint = start_service(tmp / f"run{index}", bootstrap, prefix, batch_arguments, code)
         service_process = psutil.Process(service.pid)
         up = time.perf_counter()
         # From its consumer's partitions being assigned: joining the group (a rebalance)
@@ -288,7 +302,7 @@ def one_run(tmp: Path, bootstrap: str, broker, producers: int, total: int, batch
         burst_cpu = cpu_seconds(service_process)
         watcher = RowWatcher(endpoint, "burst", total).start()
         log_rate, spilled, began, delivered, producers_cpu = burst(bootstrap, prefix, "burst", producers, total,
-                                                                   spill)
+                                                                   spill, code)
         visible = watcher.wait(timeout=600)
         steady = steady_rate(watcher.samples, total)
         burst_cpu = cpu_seconds(service_process) - burst_cpu
@@ -332,12 +346,25 @@ def main() -> int:
                         help="producer compression: default (the producer's), none, gzip, ...")
     parser.add_argument("--batch-rows", type=int, help="the service's --batch-rows (default: its own)")
     parser.add_argument("--batch-ms", type=int, help="the service's --batch-ms (default: its own)")
+    parser.add_argument("--reference", metavar="CHECKOUT",
+                        help="a checkout of the code to compare with (git worktree add DIR COMMIT): its "
+                             "runs alternate with this checkout's on the same broker, and the ratios "
+                             "of the medians are printed")
     args = parser.parse_args()
     batch_arguments = [*(["--batch-rows", str(args.batch_rows)] if args.batch_rows else []),
                        *(["--batch-ms", str(args.batch_ms)] if args.batch_ms else [])]
     global COMPRESSION
     COMPRESSION = args.compression
 
+    # The code measured, and with --reference the code it is compared with, runs of the two
+    # alternating on the same broker (ABBA): on a shared VM the rate drifts by a fifth
+    # within minutes, and runs of one code after the other's would measure the drift.
+    sides = {"this checkout": REPO}
+    if args.reference:
+        reference = Path(args.reference).resolve()
+        if not (reference / "trainmon" / "__init__.py").is_file():
+            parser.error(f"--reference {args.reference}: not a trainmon checkout (no trainmon/__init__.py)")
+        sides["reference"] = reference
     with tempfile.TemporaryDirectory(prefix="trainmon-pipeline-") as tmp:
         tmp = Path(tmp)
         broker = None
@@ -347,45 +374,78 @@ def main() -> int:
             bootstrap = broker.bootstrap
         total = args.records // args.producers * args.producers
         print(f"{args.runs} runs of {total:,} step records from {args.producers} producer processes, each run "
-              f"on topics of its own with a fresh ClickHouse service", flush=True)
-        results, service = [], None
+              f"on topics of its own with a fresh ClickHouse service"
+              + (f"; this checkout's runs alternate with the reference's ({sides['reference']})"
+                 if args.reference else ""), flush=True)
+        results = {side: [] for side in sides}
+        services = {}  # each side's latest service, for its paced phase
+        latency = {}
+        index = 0
         try:
             for i in range(-args.warm_up_runs, args.runs):
-                if service is not None:
-                    service.terminate()
-                    service.wait(60)
-                label = (f"run {i + 1} of {args.runs}" if i >= 0 else
-                         "warm-up run (a fresh broker's first; not in the medians)")
-                result = one_run(tmp, bootstrap, broker, args.producers, total, batch_arguments,
-                                 i + args.warm_up_runs, label)
-                service = result.pop("service")
-                if i >= 0:
-                    results.append(result)
-            # Paced, on the last run's service: the latency a training job sees.
-            last = results[-1]
-            per = int(args.paced_rate * args.paced_seconds) // args.producers
-            procs, start, queue = run_producers(bootstrap, last["prefix"], "paced", args.producers, per,
-                                                args.paced_rate, str(tmp / "spill"))
-            start.set()
-            wait_rows(last["endpoint"], "paced", per * args.producers, timeout=600)
-            for _ in procs:
-                queue.get(timeout=120)
-            for p in procs:
-                p.join()
-            p50, p99, worst = latency_ms(last["endpoint"], "paced")
+                for side in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
+                    if side in services:
+                        services[side].terminate()
+                        services[side].wait(60)
+                    label = (f"{'' if len(sides) == 1 else side + ', '}run {i + 1} of {args.runs}" if i >= 0 else
+                             "warm-up run (a fresh broker's first; not in the medians)")
+                    result = one_run(tmp, bootstrap, broker, args.producers, total, batch_arguments, index,
+                                     label, sides[side])
+                    index += 1
+                    services[side] = result.pop("service")
+                    if i >= 0:
+                        results[side].append(result)
+            for side, code in sides.items():
+                # Paced, on the side's last service: the latency a training job sees.
+                last = results[side][-1]
+                per = int(args.paced_rate * args.paced_seconds) // args.producers
+                procs, start, queue = run_producers(bootstrap, last["prefix"], "paced", args.producers, per,
+                                                    args.paced_rate, str(tmp / "spill"), code)
+                start.set()
+                wait_rows(last["endpoint"], "paced", per * args.producers, timeout=600)
+                for _ in procs:
+                    queue.get(timeout=120)
+                for p in procs:
+                    p.join()
+                latency[side] = latency_ms(last["endpoint"], "paced")
         finally:
-            if service is not None:
+            for service in services.values():
                 service.terminate()
                 service.wait(60)
             if broker is not None:
                 broker.stop()
+    medians = {side: report(side if len(sides) > 1 else "", results[side], latency[side], args)
+               for side in sides}
+    if args.reference:
+        now, then = medians["this checkout"], medians["reference"]
+        print("this checkout against the reference (ratio of medians):")
+        for key, name in [("consumer", "consumer alone, records/s"), ("e2e", "end to end, records/s"),
+                          ("e2e_producer_us", "CPU per record end to end, producers"),
+                          ("e2e_service_us", "CPU per record end to end, service"),
+                          ("e2e_broker_us", "CPU per record end to end, broker")]:
+            print(f"  {name}: {now[key]:,.1f} against {then[key]:,.1f}: {now[key] / then[key]:.2f}x")
+    med = medians["this checkout"]
+    p99 = latency["this checkout"][1]
+    print("targets (issue #30):")
+    for name, ok in [(f"consumer alone >= {CONSUMER_TARGET:,} records/s (median): {med['consumer']:,.0f}",
+                      med["consumer"] >= CONSUMER_TARGET),
+                     (f"end to end >= {END_TO_END_TARGET:,} records/s sustained (median): {med['e2e']:,.0f}",
+                      med["e2e"] >= END_TO_END_TARGET),
+                     (f"paced p99 log call -> row visible <= {PACED_P99_TARGET_MS / 1000:g} s: {p99:,.0f} ms",
+                      p99 <= PACED_P99_TARGET_MS)]:
+        print(f"  {'met   ' if ok else 'MISSED'}  {name}")
+    return 0
+
+
+def report(side: str, results: list[dict], latency: tuple[float, float, float], args) -> dict:
+    """Prints one side's medians and paced latency; returns the medians."""
     med = {k: median_of_measured([r[k] for r in results]) for k in ("consumer", "e2e", "e2e_steady",
                                                                       "consumer_per_cpu_s", "e2e_per_cpu_s",
                                                                       "backlog_p99", "producer_us",
                                                                       "e2e_producer_us", "e2e_service_us",
                                                                       "e2e_broker_us")}
     each = {k: ", ".join(rate_text(r[k]) for r in results) for k in ("consumer", "e2e", "e2e_steady")}
-    print(f"medians of {len(results)} runs:")
+    print(f"{side + ': ' if side else ''}medians of {len(results)} runs:")
     print(f"  consumer alone (the service drains the topics into ClickHouse): {med['consumer']:,.0f} records/s "
           f"(runs: {each['consumer']}); "
           f"{med['consumer_per_cpu_s']:,.0f} records per service CPU-second")
@@ -398,17 +458,10 @@ def main() -> int:
           f"{us_text(med['e2e_broker_us'])} (the machine's cores over them bound the end-to-end rate)")
     print(f"  end to end while the rows went from 10 % to 90 % of the records: {rate_text(med['e2e_steady'])} "
           f"records/s (runs: {each['e2e_steady']}; - where the rows came in too few steps to tell)")
+    p50, p99, worst = latency
     print(f"paced: {args.paced_rate:,.0f} records/s for {args.paced_seconds:.0f} s")
     print(f"  log call -> row visible: p50 {p50:.0f} ms, p99 {p99:.0f} ms, max {worst:.0f} ms")
-    print("targets (issue #30):")
-    for name, ok in [(f"consumer alone >= {CONSUMER_TARGET:,} records/s (median): {med['consumer']:,.0f}",
-                      med["consumer"] >= CONSUMER_TARGET),
-                     (f"end to end >= {END_TO_END_TARGET:,} records/s sustained (median): {med['e2e']:,.0f}",
-                      med["e2e"] >= END_TO_END_TARGET),
-                     (f"paced p99 log call -> row visible <= {PACED_P99_TARGET_MS / 1000:g} s: {p99:,.0f} ms",
-                      p99 <= PACED_P99_TARGET_MS)]:
-        print(f"  {'met   ' if ok else 'MISSED'}  {name}")
-    return 0
+    return med
 
 
 if __name__ == "__main__":
