@@ -25,6 +25,8 @@ log = logging.getLogger("trainmon.kafka")
 Callback = Callable[[list[TopicPartition]], None]
 _METADATA_TTL_S = 30.0  # partitions are added rarely (by hand); a new one is seen within this
 _UNKNOWN_TOPIC_RETRY_S = 1.0
+# ListOffsets "timestamps" that ask for a partition's end and start instead of a time.
+_LATEST, _EARLIEST = -1, -2
 
 
 @dataclass(slots=True)
@@ -167,8 +169,8 @@ class Consumer:
             committed = [p for p in self._consumer.committed([_TP(*tp) for tp in partitions], timeout=5)
                          if p.error is None]  # a partition not answered for: librdkafka's to place
             starts = {TopicPartition(p.topic, p.partition): p.offset for p in committed if p.offset >= 0}
-            # Nothing committed: a ListOffsets timestamp of -2 asks for the log's start.
-            unknown = [_TP(p.topic, p.partition, -2) for p in committed if p.offset < 0]
+            # Nothing committed: from the log's start.
+            unknown = [_TP(p.topic, p.partition, _EARLIEST) for p in committed if p.offset < 0]
             if unknown:
                 starts.update((TopicPartition(p.topic, p.partition), p.offset)
                               for p in self._consumer.offsets_for_times(unknown, timeout=5)
@@ -305,27 +307,42 @@ class Consumer:
 
     def end_offsets(self, partitions: Iterable[TopicPartition], timeout_s: float = 10.0) -> dict[TopicPartition, int]:
         """Each partition's end (high watermark) as of now, in one batched ListOffsets
-        request (a timestamp of -1 asks for the end): a watermark query per partition waits
-        behind the consumer's own fetch each time (fetch.wait.max.ms), ~0.1 s apiece."""
+        request: a watermark query per partition waits behind the consumer's own fetch
+        each time (fetch.wait.max.ms), ~0.1 s apiece."""
+        return self._listed_offsets(partitions, _LATEST, timeout_s)
+
+    def start_offsets(self, partitions: Iterable[TopicPartition], timeout_s: float = 10.0) -> dict[TopicPartition, int]:
+        """Each partition's start (low watermark: past 0 once retention, or a delete,
+        removed its first records), in one batched ListOffsets request."""
+        return self._listed_offsets(partitions, _EARLIEST, timeout_s)
+
+    def _listed_offsets(self, partitions: Iterable[TopicPartition], which: int,
+                        timeout_s: float) -> dict[TopicPartition, int]:
+        """``which``: _LATEST or _EARLIEST, Kafka's ListOffsets timestamps for either end."""
         from confluent_kafka import TopicPartition as _TP
 
         partitions = list(partitions)
         if not partitions:
             return {}
-        answer = retried(lambda: self._consumer.offsets_for_times([_TP(*tp, -1) for tp in partitions],
+        what = "end offsets" if which == _LATEST else "start offsets"
+        answer = retried(lambda: self._consumer.offsets_for_times([_TP(*tp, which) for tp in partitions],
                                                                   timeout=timeout_s),
-                         "end offsets", timeout_s)
-        ends = {TopicPartition(p.topic, p.partition): p.offset for p in answer
-                if p.error is None and p.offset >= 0}
+                         what, timeout_s)
+        listed = {TopicPartition(p.topic, p.partition): p.offset for p in answer
+                  if p.error is None and p.offset >= 0}
         # A partition the batch did not answer for is asked alone.
-        return {tp: ends[tp] if tp in ends else self.watermarks(tp, timeout_s=timeout_s)[1] for tp in partitions}
+        low_or_high = 1 if which == _LATEST else 0
+        return {tp: listed[tp] if tp in listed else self.watermarks(tp, timeout_s=timeout_s)[low_or_high]
+                for tp in partitions}
 
     def uncommitted(self, partitions: list[TopicPartition], timeout_s: float = 10.0) -> dict[TopicPartition, int]:
-        """Per partition, the messages past this consumer's group's committed offset (a
-        partition the group never committed counts from offset 0)."""
+        """Per partition, the messages this consumer's group has yet to read: from its
+        committed offset, or from the log's start where it committed nothing or retention
+        has removed records past its commit (a week of records gone is no lag)."""
         committed = self.committed(partitions, timeout_s)
+        starts = self.start_offsets(partitions, timeout_s)
         ends = self.end_offsets(partitions, timeout_s)
-        return {tp: max(0, ends[tp] - (committed.get(tp) or 0)) for tp in partitions}
+        return {tp: max(0, ends[tp] - max(committed.get(tp) or 0, starts[tp])) for tp in partitions}
 
     def commit(self, offsets: dict[TopicPartition, int]) -> None:
         """Commit these next-offsets, synchronously."""
