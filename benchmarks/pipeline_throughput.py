@@ -14,14 +14,13 @@ and producer processes that log step records through the public Producer API.
    its consumer group's partitions being assigned, the join printed apart), then end to
    end; ``--runs`` times (5), each on topics of its own with a fresh service, medians
    reported with every run's figure. One run before them warms the broker up and is only
-   printed (``--warm-up-runs``): in a fresh broker's first run its JVM took 11-15 µs of
-   CPU per record, in the runs after 6 (measured), and a broker serving a cluster has run
-   for days.
-   Beside the end-to-end rate, the rate while the rows went from 10 % to 90 % of the
-   records (counted every 0.1 s): the middle of the run, without its start and its last
-   batch. It is not the target's figure: by then the
-   producers have mostly stopped logging (a log call is cheaper than its delivery, so
-   they queue ahead), and the service has the cores they used.
+   printed (``--warm-up-runs``): in a fresh broker's first run its JVM took 8-14 µs of CPU
+   per record, in the runs after 3-6 (measured), and a broker serving a cluster has run
+   for days. Beside the end-to-end rate, the rate while the rows went from 10 % to 90 %
+   of the records (counted every 0.1 s): the middle of the run, without its start and its
+   last batch. It is not the target's figure: by then the producers have mostly stopped
+   logging (a log call is cheaper than its delivery, so they queue ahead), and the
+   service has the cores they used.
 2. paced: producers log at a fixed total rate (default 5,000/s, a busy 16-rank job);
    latency per record is the row's ``_inserted_at`` (set by ClickHouse when the insert
    is written) minus its ``time`` (set at the log call), p50 / p99 over all records.
@@ -29,8 +28,8 @@ and producer processes that log step records through the public Producer API.
 ``--reference CHECKOUT`` (``git worktree add /tmp/ref COMMIT``) compares this checkout with
 other code: their runs alternate on the same broker (ABBA), each side's producers and
 service running its own code, and the ratios of the medians are printed. On a shared VM
-this is the comparison to trust: the rate drifts by a fifth within minutes, and 2 pairs of
-runs once showed a 20 % gain that 6 alternating pairs then turned into a 13 % loss.
+this is the comparison to trust: the rate drifts by a fifth within minutes, and a setting
+that gained 15-38 % in two back-to-back comparisons lost 13 % over 6 alternating pairs.
 
 Beside wall-clock rates it prints the service's records per CPU-second (its process,
 all threads), a figure that holds on a machine shared with other work, and where the CPU
@@ -339,7 +338,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5, help="runs of the two burst phases (medians reported)")
     parser.add_argument("--warm-up-runs", type=int, default=1,
                         help="runs before those, printed and left out of the medians (default 1): a "
-                             "fresh broker spends twice the CPU per record in its first run")
+                             "fresh broker spends 2-3 times the CPU per record in its first run")
     parser.add_argument("--paced-rate", type=float, default=5_000, help="records/s, paced phase")
     parser.add_argument("--paced-seconds", type=float, default=10)
     parser.add_argument("--compression", default="default",
@@ -383,7 +382,8 @@ def main() -> int:
         index = 0
         try:
             for i in range(-args.warm_up_runs, args.runs):
-                for side in (list(sides) if i % 2 == 0 else list(sides)[::-1]):
+                order = list(sides) if i % 2 == 0 else list(sides)[::-1]
+                for side in order[:1] if i < 0 else order:  # (one warm-up run warms the broker)
                     if side in services:
                         services[side].terminate()
                         services[side].wait(60)
