@@ -377,39 +377,29 @@ def main() -> int:
               + (f"; this checkout's runs alternate with the reference's ({sides['reference']})"
                  if args.reference else ""), flush=True)
         results = {side: [] for side in sides}
-        services = {}  # each side's latest service, for its paced phase
         latency = {}
-        index = 0
+        service, index = None, 0
         try:
             for i in range(-args.warm_up_runs, args.runs):
                 order = list(sides) if i % 2 == 0 else list(sides)[::-1]
                 for side in order[:1] if i < 0 else order:  # (one warm-up run warms the broker)
-                    if side in services:
-                        services[side].terminate()
-                        services[side].wait(60)
+                    # One service at a time: an idle one polls Kafka and merges its parts,
+                    # CPU the next run would pay for.
+                    if service is not None:
+                        service.terminate()
+                        service.wait(60)
                     label = (f"{'' if len(sides) == 1 else side + ', '}run {i + 1} of {args.runs}" if i >= 0 else
                              "warm-up run (a fresh broker's first; not in the medians)")
                     result = one_run(tmp, bootstrap, broker, args.producers, total, batch_arguments, index,
                                      label, sides[side])
                     index += 1
-                    services[side] = result.pop("service")
+                    service = result.pop("service")
                     if i >= 0:
                         results[side].append(result)
-            for side, code in sides.items():
-                # Paced, on the side's last service: the latency a training job sees.
-                last = results[side][-1]
-                per = int(args.paced_rate * args.paced_seconds) // args.producers
-                procs, start, queue = run_producers(bootstrap, last["prefix"], "paced", args.producers, per,
-                                                    args.paced_rate, str(tmp / "spill"), code)
-                start.set()
-                wait_rows(last["endpoint"], "paced", per * args.producers, timeout=600)
-                for _ in procs:
-                    queue.get(timeout=120)
-                for p in procs:
-                    p.join()
-                latency[side] = latency_ms(last["endpoint"], "paced")
+                    if i == args.runs - 1:  # the side's last run: paced, on its service
+                        latency[side] = paced(bootstrap, result, args, tmp, sides[side])
         finally:
-            for service in services.values():
+            if service is not None:
                 service.terminate()
                 service.wait(60)
             if broker is not None:
@@ -435,6 +425,21 @@ def main() -> int:
                       p99 <= PACED_P99_TARGET_MS)]:
         print(f"  {'met   ' if ok else 'MISSED'}  {name}")
     return 0
+
+
+def paced(bootstrap: str, last: dict, args, tmp: Path, code: Path) -> tuple[float, float, float]:
+    """Producers logging at ``--paced-rate`` into the topics and service of a side's last
+    run: the latency a training job sees, log call -> row visible (p50, p99, max ms)."""
+    per = int(args.paced_rate * args.paced_seconds) // args.producers
+    procs, start, queue = run_producers(bootstrap, last["prefix"], "paced", args.producers, per,
+                                        args.paced_rate, str(tmp / "spill"), code)
+    start.set()
+    wait_rows(last["endpoint"], "paced", per * args.producers, timeout=600)
+    for _ in procs:
+        queue.get(timeout=120)
+    for p in procs:
+        p.join()
+    return latency_ms(last["endpoint"], "paced")
 
 
 def report(side: str, results: list[dict], latency: tuple[float, float, float], args) -> dict:
