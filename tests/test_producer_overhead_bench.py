@@ -116,3 +116,22 @@ def test_the_relays_cpu_is_taken_over_the_interval_every_rank_measured():
     with pytest.raises(SystemExit, match="same time"):
         po.relay_cpu_while_measured(samples, [{"t0": 0.0, "t1": 5.0, "elapsed_s": 5.0},
                                               {"t0": 6.0, "t1": 9.0, "elapsed_s": 3.0}])
+
+
+def test_repeated_runs_report_each_cases_median_run_and_print_every_run(capsys):
+    """--repeats: a case's median run is the one reported (whole: its own p99 with its CPU),
+    every run's figure printed beside it; a subset of cases judges only those targets."""
+    runs = {("trainmon", "1"): [_case(450e-6 * 20, 20, p99_us=7.0), _case(400e-6 * 20, 20, p99_us=6.0),
+                                _case(900e-6 * 20, 20, p99_us=9.0)],
+            ("wandb", "1"): [_case(3500e-6 * 20, 20), _case(5100e-6 * 20, 20), _case(4100e-6 * 20, 20)]}
+    results = {key: po.median_run(case_runs, key[1]) for key, case_runs in runs.items()}
+    assert results[("trainmon", "1")]["p99_us"] == 7.0  # the 450 us run, not a mix of runs
+    assert po.median_run(runs[("wandb", "1")][:2], "1") is runs[("wandb", "1")][0]  # (even: the lower)
+
+    po.report(results, ["trainmon", "wandb"], "confluent-kafka", "load 1", "load 2", ["1"], runs)
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines()]
+    assert lines[1].startswith("each case run 3 times")
+    assert lines[3].split() == ["1/s", "(us/step)", "450", "4100"]
+    assert lines[4].split() == ["(runs)", "450/400/900", "3500/5100/4100"]
+    assert "CPU per step at 1 steps/s <= 1/10 of wandb's: 0.11x (MISSED)" in lines
+    assert not [line for line in lines if line.startswith(("idle <=", "caller p99 <= 20 us (tight"))]
