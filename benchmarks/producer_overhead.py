@@ -477,7 +477,7 @@ def report(results: dict, libraries: list[str], client: str, load_before: str, l
         print(f"each case run {repeats} times, the libraries' order reversed every other round: "
               "the median run reported")
     width = 14
-    print(f"  {'case':<16}" + "".join(f"{name:>{width}}" for name in libraries))
+    print(f"  {'case':<16}" + "".join(" " + name.rjust(width - 1) for name in libraries))
     for case in cases:
         label = ("idle (% core)" if case == "idle" else "tight (us/step)" if case == "tight"
                  else f"{case}/s (us/step)")
