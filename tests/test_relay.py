@@ -351,7 +351,8 @@ def test_a_layout_the_relay_refuses_turns_values_off_and_values_of_no_layout_clo
             return got
 
         rank.sendall(frames.hello(schema_fingerprint()))
-        assert answers(1) == [(frames.HELLO_ID, frames.TAKES_VALUES)]  # the relay's own schema
+        assert answers(2) == [(frames.HELLO_ID, frames.TAKES_FLUSH),  # (it takes frame F)
+                              (frames.HELLO_ID, frames.TAKES_VALUES)]  # the relay's own schema
         spec = frames.layout_spec("t.step", b"run", "step", (("run_id", "r"),), "p", ("step", "nonesuch"), (1, 2.0))
         values = frames.values_packer(spec["codes"])
         rank.sendall(frames.layout(1, spec) + values.pack(values.size - 4, frames.VALUES, 9, 1, 1.7e9, 1, 1, 2.0))
@@ -435,7 +436,8 @@ def test_a_relay_out_of_descriptors_goes_on_and_takes_ranks_again_once_some_clos
         late = hello()
         late.settimeout(10)
         answer = bytearray(late.recv(64))  # the relay took it and answered its hello
-        assert frames.take_answers(answer) == [(frames.HELLO_ID, frames.TAKES_VALUES)]
+        assert frames.take_answers(answer) == [(frames.HELLO_ID, frames.TAKES_FLUSH),
+                                               (frames.HELLO_ID, frames.TAKES_VALUES)]
         late.close()
         assert relay.poll() is None
         relay.send_signal(signal.SIGTERM)  # (the script's loop has no handler: it just ends)
@@ -463,9 +465,10 @@ def test_a_record_the_relays_kafka_client_refuses_as_too_large_is_dropped_by_nam
             assert producer.run_start(config={"vocab": "x" * 1_100_000})  # the rank takes it
             logged = log_steps([producer], range(5))
             transport = producer._worker._transport
-            wait_until(lambda: transport.dropped == 1, 20, "the rank to drop the record the relay's client refused",
-                       details=lambda: f"dropped {transport.dropped}, failed answers {relay.relay.stats.failed}")
+            # (The flush asks the relay for its answers and reads them: the rank's thread
+            # otherwise reads them at its next watch, within 10 s.)
             assert producer.flush(30)
+            assert transport.dropped == 1, f"failed answers {relay.relay.stats.failed}"
         run_topic = topics.topic_for("run", topic_prefix)
         assert "Kafka refused a 1,1" in caplog.text and f"on {run_topic} as too large; dropped it" in caplog.text
         assert not producer.spilled and producer.rejected == {}
@@ -474,3 +477,54 @@ def test_a_record_the_relays_kafka_client_refuses_as_too_large_is_dropped_by_nam
     finally:
         relay.close()
     assert relay.relay.stats.failed == 0  # (never answered FAILED: a rank would send it again)
+
+
+def test_kafkas_answers_go_out_with_the_next_window_or_at_once_to_a_rank_that_asks(
+        make_producer, bootstrap, topic_prefix, relay_path):
+    """The relay is not woken for Kafka's answers (at a step a second that wake-up was a
+    seventh of its CPU): they go out as the next window's frames come, at the latest
+    frames.ANSWERS_DUE_S after their message went, and at once to a rank that asks (frame
+    F, its flush)."""
+    import time
+
+    relay = RelayThread(relay_path, bootstrap)
+    rank = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        rank.connect(relay_path)
+        received = bytearray()
+
+        def answers(within: float) -> list:
+            rank.settimeout(within)
+            try:
+                received.extend(rank.recv(65536))
+            except socket.timeout:
+                return []
+            return [a for a in frames.take_answers(received) if a[0] != frames.HELLO_ID]
+
+        topic = topics.topic_for("step", topic_prefix)
+        rank.sendall(frames.hello(b"another schema") + frames.entry(1, topic, b"run", b'{"step":1}'))
+        sent = time.monotonic()
+        assert wait_until(lambda: answers(0.2), 15, "the first entry's answer") == [(1, frames.OK)]
+        # Nothing else came: it went out when it was due, not when Kafka answered.
+        assert time.monotonic() - sent >= frames.ANSWERS_DUE_S - 0.1
+
+        rank.sendall(frames.entry(2, topic, b"run", b'{"step":2}'))
+        assert answers(0.5) == []  # Kafka has answered by now; the relay holds it
+        rank.sendall(frames.entry(3, topic, b"run", b'{"step":3}'))  # the next window
+        assert wait_until(lambda: answers(0.2), 1.5, "the held answer, with the next window") == [(2, frames.OK)]
+
+        rank.sendall(frames.flush())  # entry 3's answer: asked for
+        asked = time.monotonic()
+        assert wait_until(lambda: answers(0.2), 15, "the answer asked for") == [(3, frames.OK)]
+        assert time.monotonic() - asked < frames.ANSWERS_DUE_S - 0.5
+
+        # A producer's flush asks: its answers come as soon as Kafka's.
+        producer = make_producer(run_id="relay-flush", relay=relay_path, linger_ms=0)
+        producer.log_step(1, loss=1.0)
+        assert producer.flush(30)
+        producer.log_step(2, loss=1.0)
+        flushed = time.monotonic()
+        assert producer.flush(30) and time.monotonic() - flushed < frames.ANSWERS_DUE_S - 0.5
+    finally:
+        rank.close()
+        relay.close()

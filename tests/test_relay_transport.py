@@ -359,3 +359,25 @@ def test_a_process_out_of_descriptors_is_told_the_relay_is_unavailable(relay, mo
     rank = transport(relay, [])
     with pytest.raises(TransportUnavailable, match="Too many open files"):
         rank.send(("t.step", b"run", b'{"a":1}'))
+
+
+def test_the_sender_thread_does_not_wake_for_the_relays_answers_before_its_watch(relay, tmp_path, monkeypatch):
+    """Through a relay a message is nearly always unanswered (the relay passes Kafka's
+    answers on with its next window): the sender thread waits for them as long as its
+    watch (_WATCH_S), not _ANSWER_WAIT_S, which woke it every 2 s at 1 step/s."""
+    import time
+
+    from trainmon.producer import worker as worker_module
+
+    monkeypatch.setattr(worker_module, "_ANSWER_WAIT_S", 0.2)  # (so that a wake for it comes at once)
+    producer = Producer(ProducerConfig(bootstrap="unused:9092", relay=relay.listener.getsockname(),
+                                       run_id="unanswered", spill_dir=tmp_path / "spill"))
+    try:
+        worker = steps_sent_and_watching(producer, relay)  # step 2's answer unread: in flight
+        ticks, tick = [], worker._tick
+        worker._tick = lambda: (ticks.append(time.monotonic()), tick())[1]
+        assert producer.log_step(3, loss=2.0) and worker.in_flight == 2  # sent by the call
+        time.sleep(1.0)  # (what must not happen: the thread waking for the answers)
+        assert ticks == [] and worker.in_flight == 2
+    finally:
+        producer.close(1)

@@ -38,8 +38,10 @@ log = logging.getLogger("trainmon.producer")
 # reading, and sends are refused (the worker keeps the records in its spill file).
 _MAX_UNSENT_BYTES = 8 << 20
 # The relay answers within Kafka's delivery timeout; this much more is the relay's own
-# share (its pack window, its loop) before an unanswered message counts as lost.
-ANSWER_GRACE_S = 5.0
+# share (its pack window, at most MAX_WINDOW_S, its loop, and up to frames.ANSWERS_DUE_S
+# holding Kafka's answer for its next window) before an unanswered message counts as lost.
+MAX_WINDOW_S = 5.0
+ANSWER_GRACE_S = MAX_WINDOW_S + frames.ANSWERS_DUE_S
 
 Encode = Callable[[str, bytes, tuple], "Entry | None"]  # the worker's encoder: a log call's values -> its entry
 
@@ -77,6 +79,7 @@ class RelayTransport:
         # id -> (entry or values, sent at, its failure handler or None for the transport's own); in id order
         self._waiting: dict[int, tuple[Entry | _Values, float, Undelivered | None]] = {}
         self._takes_values = False  # the relay said it writes records from values (this connection)
+        self._takes_flush = False  # the relay said it takes frame F (this connection)
         # (topic, key, kind, envelope, id prefix, names) -> (layout id, values_packer), or
         # None where the call's values go as JSON (this connection)
         self._layouts: dict[tuple, tuple[int, struct.Struct] | None] = {}
@@ -89,6 +92,11 @@ class RelayTransport:
     @property
     def in_flight(self) -> int:
         return len(self._waiting)
+
+    @property
+    def unsent_bytes(self) -> int:
+        """Bytes the socket did not take yet (written on at the next send or serve)."""
+        return len(self._unsent)
 
     def send(self, entry: Entry, on_undelivered: Undelivered | None = None) -> None:
         if self._broken is not None:
@@ -182,6 +190,9 @@ class RelayTransport:
 
     def flush(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
+        if self._waiting and self._takes_flush and self._broken is None:
+            # The relay passes answers on with its next window (or within 2 s) unless asked.
+            self._write(frames.flush())
         while self._waiting and time.monotonic() < deadline:
             self.serve(min(0.05, max(0.0, deadline - time.monotonic())))
         return not self._waiting
@@ -252,7 +263,10 @@ class RelayTransport:
             item = self._waiting.pop(entry_id, None)
             if item is None:  # given up on already (and kept by the worker), or the hello
                 if entry_id == frames.HELLO_ID:
-                    self._takes_values = status == frames.TAKES_VALUES
+                    if status == frames.TAKES_FLUSH:
+                        self._takes_flush = True
+                    else:
+                        self._takes_values = status == frames.TAKES_VALUES
                 continue
             if status == frames.OK:
                 if self.on_ack is not None:
@@ -279,7 +293,7 @@ class RelayTransport:
         self._received.clear()
         # Values only over a connection whose relay said it writes them: until the next
         # one's hello is answered, a log call's values go as JSON (whose send connects).
-        self._takes_values = False
+        self._takes_values = self._takes_flush = False
         self._broken = reason
 
     def _lost(self, reason: str) -> None:

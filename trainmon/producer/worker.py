@@ -419,7 +419,16 @@ class Worker:
             items = self._drain([])
             self._gathering = bool(items)
             return items
-        timeout = _ANSWER_WAIT_S if self._transport.in_flight else None
+        # Unanswered messages: their answers are collected in a while (a failure spilled).
+        # A relay's come as the relay sends its next window, and one is nearly always
+        # unanswered there: waking _ANSWER_WAIT_S after each would wake the thread every 2
+        # s at 1 step/s; the watch's _WATCH_S bounds their wait as it does while log calls
+        # send. Except while bytes wait to be written to the relay (its socket was full: a
+        # large record), which each wake writes on.
+        timeout = None
+        if self._transport.in_flight:
+            timeout = (_WATCH_S if self._answers_may_wait and not getattr(self._transport, "unsent_bytes", 0)
+                       else _ANSWER_WAIT_S)
         if self._backlog.records:
             retry_in = max(0.01, self._delivery.retry_at - time.monotonic())
             timeout = retry_in if timeout is None else min(timeout, retry_in)

@@ -12,8 +12,14 @@ A frame is a 4-byte big-endian length, then that many bytes: a type byte and its
   message size (the rank splits it into its records, or drops a single record: sent again
   it would be refused again). A rank of an earlier version takes any status but ``OK`` for
   ``FAILED``, as before; an earlier relay never sends it.
-  The hello is answered too, as id 0 (``HELLO_ID``), ``TAKES_VALUES`` where the relay's
-  schema is the rank's own: the relay then writes records from their values.
+  The hello is answered too, as id 0 (``HELLO_ID``): ``TAKES_FLUSH`` (the relay takes
+  frame ``F``), then ``TAKES_VALUES`` where the relay's schema is the rank's own: the relay
+  then writes records from their values. (A rank of an earlier version takes the last
+  status for whether values go, and ``TAKES_FLUSH`` comes first.)
+- ``F`` flush (rank -> relay, no body; only to a relay whose hello answer said
+  ``TAKES_FLUSH``): the rank waits for its answers. The relay passes on Kafka's answers as
+  the next window's frames come, at the latest ``ANSWERS_DUE_S`` after their message went;
+  after an ``F``, as soon as Kafka's come.
 - ``L`` layout (rank -> relay): a layout's id (2 bytes), then, as JSON, what the records
   of one log call's shape share: topic, key, kind, envelope, event id prefix, field
   names, and the ``struct`` codes of the values (``q`` an int, ``d`` a float).
@@ -33,9 +39,12 @@ import json
 import socket
 import struct
 
-HELLO, ENTRY, ANSWERS, LAYOUT, VALUES = b"H", b"E", b"A", b"L", b"V"
-OK, FAILED, TAKES_VALUES, TOO_LARGE = 0, 1, 2, 3
+HELLO, ENTRY, ANSWERS, LAYOUT, VALUES, FLUSH = b"H", b"E", b"A", b"L", b"V", b"F"
+OK, FAILED, TAKES_VALUES, TOO_LARGE, TAKES_FLUSH = 0, 1, 2, 3, 4
 HELLO_ID = 0  # (a rank numbers its entries from 1)
+# The relay passes Kafka's answers on as the next window's frames come, at the latest this
+# long after their message went (after an F, as soon as Kafka's come).
+ANSWERS_DUE_S = 2.0
 
 _LENGTH = struct.Struct(">I")
 READ_BYTES = 1 << 16  # what one recv on the socket takes, either side
@@ -57,6 +66,10 @@ class FrameError(ValueError):
 
 def hello(fingerprint: bytes) -> bytes:
     return _LENGTH.pack(1 + len(fingerprint)) + HELLO + fingerprint
+
+
+def flush() -> bytes:
+    return _LENGTH.pack(1) + FLUSH
 
 
 def entry(entry_id: int, topic: str, key: bytes, value: bytes) -> bytes:
