@@ -191,7 +191,7 @@ class RelayTransport:
     def flush(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         if self._waiting and self._takes_flush and self._broken is None:
-            # The relay passes answers on with its next window (or within 2 s) unless asked.
+            # The relay passes answers on with its next window (within frames.ANSWERS_DUE_S) unless asked.
             self._write(frames.flush())
         while self._waiting and time.monotonic() < deadline:
             self.serve(min(0.05, max(0.0, deadline - time.monotonic())))

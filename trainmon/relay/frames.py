@@ -17,9 +17,9 @@ A frame is a 4-byte big-endian length, then that many bytes: a type byte and its
   then writes records from their values. (A rank of an earlier version takes the last
   status for whether values go, and ``TAKES_FLUSH`` comes first.)
 - ``F`` flush (rank -> relay, no body; only to a relay whose hello answer said
-  ``TAKES_FLUSH``): the rank waits for its answers. The relay passes on Kafka's answers as
-  the next window's frames come, at the latest ``ANSWERS_DUE_S`` after their message went;
-  after an ``F``, as soon as Kafka's come.
+  ``TAKES_FLUSH``): the rank waits for its answers. The relay passes on Kafka's answers at
+  its next window's end, at the latest ``ANSWERS_DUE_S`` after their message went; after
+  an ``F``, as soon as Kafka's come.
 - ``L`` layout (rank -> relay): a layout's id (2 bytes), then, as JSON, what the records
   of one log call's shape share: topic, key, kind, envelope, event id prefix, field
   names, and the ``struct`` codes of the values (``q`` an int, ``d`` a float).
@@ -42,8 +42,8 @@ import struct
 HELLO, ENTRY, ANSWERS, LAYOUT, VALUES, FLUSH = b"H", b"E", b"A", b"L", b"V", b"F"
 OK, FAILED, TAKES_VALUES, TOO_LARGE, TAKES_FLUSH = 0, 1, 2, 3, 4
 HELLO_ID = 0  # (a rank numbers its entries from 1)
-# The relay passes Kafka's answers on as the next window's frames come, at the latest this
-# long after their message went (after an F, as soon as Kafka's come).
+# The relay passes Kafka's answers on at its next window's end, at the latest this long
+# after their message went (after an F, as soon as Kafka's come).
 ANSWERS_DUE_S = 2.0
 
 _LENGTH = struct.Struct(">I")

@@ -146,8 +146,8 @@ class Relay:
         # The current window's messages by (topic, key, schema fingerprint), in arrival order.
         self._pending: dict[tuple[str, bytes, bytes], list[_Member]] = {}
         self._window_started: float | None = None
-        self._deliveries: list[tuple[Delivery, list[_Member]]] = []
-        self._answers_due = 0.0  # (monotonic) when the oldest of them is passed on at the latest
+        # Messages Kafka has not answered yet, in the order they went, with when (monotonic).
+        self._deliveries: list[tuple[Delivery, list[_Member], float]] = []
         self._asked = False  # a rank asked for its answers (F): passed on as soon as Kafka's come
         self._listener: socket.socket | None = None
         self._accepting = True  # the listener is watched (not while out of descriptors: _accept)
@@ -393,9 +393,7 @@ class Relay:
             log.error("trainmon relay: Kafka's client refused a rank's %s-byte message on %s as too large "
                       "(%s); the rank drops it, or sends its records one per message",
                       f"{len(value):,}", topic, delivery.error)
-        if not self._deliveries:
-            self._answers_due = time.monotonic() + frames.ANSWERS_DUE_S
-        self._deliveries.append((delivery, chunk))
+        self._deliveries.append((delivery, chunk, time.monotonic()))
         self.stats.kafka_messages += 1
         self.stats.records += count(value)
 
@@ -419,13 +417,18 @@ class Relay:
             written.append((conn, entry_id, value))
         return written
 
+    @property
+    def _answers_due(self) -> float:
+        """(monotonic) When the oldest unanswered message's answer is passed on at the latest."""
+        return self._deliveries[0][2] + frames.ANSWERS_DUE_S
+
     def _answer(self) -> None:
         """Pass on the answers Kafka's client has reported (its poll runs the reports)."""
         answers: dict[int, tuple[_Connection, list[tuple[int, int]]]] = {}
         still = []
-        for delivery, members in self._deliveries:
+        for delivery, members, sent_at in self._deliveries:
             if not delivery.done:
-                still.append((delivery, members))
+                still.append((delivery, members, sent_at))
                 continue
             status = frames.FAILED if delivery.failed else frames.OK
             if delivery.too_large:  # (a rank's message alone: _send said so)
@@ -437,8 +440,6 @@ class Relay:
             for conn, entry_id, _ in members:
                 if conn.open:
                     answers.setdefault(id(conn), (conn, []))[1].append((entry_id, status))
-        if still and len(still) < len(self._deliveries):
-            self._answers_due = time.monotonic() + frames.ANSWERS_DUE_S  # (for the ones sent since)
         self._deliveries = still
         if not still and self._window_started is None:
             self._asked = False  # (every rank that asked has its answers)
