@@ -36,6 +36,7 @@ from trainmon.kafka_client import TopicPartition
 from trainmon.kafka_client.memory_consumer import committed_offsets
 from trainmon.kafka_client.memory_transport import MemoryBroker
 from trainmon.producer import Producer, ProducerConfig
+from trainmon.producer import spill as spill_module
 from trainmon.producer.spill import SpillFile
 from trainmon.schemas import StepRecord, encode, pack, unpack
 
@@ -178,10 +179,11 @@ def test_an_append_cut_off_by_a_full_disk_is_taken_back_whole(small_disk):
     spill.close()
 
 
-def test_an_acknowledgement_with_no_room_to_rewrite_the_spill_file_loses_nothing(small_disk):
-    """Dropping the acknowledged front of the file rewrites the rest into a new file; on a
-    full disk that cannot be done: the file stays, its read position moves on, and the
+def test_an_acknowledgement_with_no_room_to_rewrite_the_spill_file_loses_nothing(small_disk, monkeypatch):
+    """Where the filesystem cannot free the acknowledged front of the file in place, the
+    rest is rewritten into a new file; on a full disk that cannot be done: the file stays, its read position moves on, and the
     rewrite happens at a later acknowledgement once there is room."""
+    monkeypatch.setattr(spill_module, "punch_front", lambda fd, length: False)  # (a rewrite)
     disk = small_disk("256k")
     spill = SpillFile(disk.path, "run.0")
     record = lambda i: ("t", b"k", f'{{"i":{i},"pad":"{"x" * 200}"}}'.encode())  # noqa: E731
@@ -202,6 +204,28 @@ def test_an_acknowledgement_with_no_room_to_rewrite_the_spill_file_loses_nothing
     got = [json.loads(v)["i"] for _, _, v in first + rest]
     assert got == list(range(110))  # each once, in order
     assert spill.head == 0 and spill.path.stat().st_size == 0
+    spill.close()
+
+
+def test_on_a_full_disk_an_acknowledged_front_is_freed_in_place_making_room(small_disk):
+    """Freeing the acknowledged front in place needs no room: on a full disk it goes
+    through, and the space it frees takes new records."""
+    disk = small_disk("256k")
+    spill = SpillFile(disk.path, "run.0")
+    record = lambda i: ("t", b"k", f'{{"i":{i},"pad":"{"x" * 200}"}}'.encode())  # noqa: E731
+    spill.append([record(i) for i in range(200)])  # ~50 KB
+    first = spill.read(30_000)
+    disk.fill()
+    spill.acknowledge()
+    if spill.path.stat().st_blocks * 512 >= spill.path.stat().st_size:
+        pytest.skip("this tmpfs cannot punch holes")
+    assert disk.free_bytes() >= 16 << 10  # the front's pages were given back
+    spill.append([record(i) for i in range(200, 250)])  # ~12 KB: fits in what was freed
+    rest = []
+    while spill.count:
+        rest += spill.read(30_000)
+        spill.acknowledge()
+    assert [json.loads(v)["i"] for _, _, v in first + rest] == list(range(250))
     spill.close()
 
 

@@ -3,14 +3,16 @@ memory: a MemoryBroker stands in for Kafka."""
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
 import os
 
 import pytest
 
 from trainmon.kafka_client.memory_transport import MemoryBroker
-from trainmon.producer import delivery
-from trainmon.producer.spill import SpillFile, claim_orphans
+from trainmon.producer import delivery, spill as spill_module
+from trainmon.producer.spill import SpillFile, claim_orphans, punch_front
 
 # (quick_answers: that module's autouse fixture, which these tests need as much)
 from .test_producer_backlog_memory import entry, producer_for, quick_answers, steps_in  # noqa: F401
@@ -54,6 +56,7 @@ def test_dropping_the_acknowledged_front_keeps_all_of_a_tail_read_in_parts(tmp_p
     back short): a spill file whose unacknowledged rest is larger than that, after a long
     outage, must still be rewritten whole. Shown at a small scale: reads capped at 100
     bytes."""
+    monkeypatch.setattr(spill_module, "punch_front", lambda fd, length: False)  # (a rewrite)
     spill = SpillFile(tmp_path, "run.0")
     spill.append([entry('{"a":0}')])
     assert spill.read(1 << 20) == [entry('{"a":0}')]
@@ -117,3 +120,83 @@ def test_a_spill_file_that_cannot_be_read_leaves_the_others_claimed(tmp_path, ca
     problems = []
     assert claim_orphans(spill_dir, lambda entries: True, unreadable=lambda p, e: problems.append(p))
     assert problems == [bad]
+
+
+def padded(i: int) -> tuple[str, bytes, bytes]:
+    return entry('{"a":%d,"pad":"%s"}' % (i, "x" * 1000))
+
+
+def punching_works(directory) -> bool:
+    probe = directory / "probe"
+    probe.write_bytes(b"x" * 8192)
+    fd = os.open(probe, os.O_RDWR)
+    try:
+        return punch_front(fd, 4096)
+    finally:
+        os.close(fd)
+        probe.unlink()
+
+
+@pytest.mark.parametrize("punching", [True, False], ids=["in place", "rewritten"])
+def test_a_resend_drops_each_acknowledged_batch_from_the_file_and_keeps_the_rest_in_order(
+        tmp_path, monkeypatch, punching):
+    """After a long outage the spill file is sent back a batch at a time. Each batch
+    Kafka acknowledged leaves the file: its blocks are freed in place (the file is not
+    copied: it keeps its size, with fewer blocks), or, where the filesystem cannot punch
+    holes, the rest is rewritten into a new file; every record is read back once, in
+    order."""
+    if punching and not punching_works(tmp_path):
+        pytest.skip("this filesystem cannot punch holes")
+    if not punching:
+        monkeypatch.setattr(spill_module, "punch_front", lambda fd, length: False)
+    spill = SpillFile(tmp_path, "run.0")
+    spill.append([padded(i) for i in range(1000)])  # ~1 MB
+    read, appended, checked = [], 1000, False
+    while spill.count:
+        read += spill.read(100_000)
+        if appended < 1005:
+            spill.append([padded(appended)])  # a record logged while the batch was in flight
+            appended += 1
+        spill.acknowledge()
+        if len(read) >= 500 and not checked:
+            stat, checked = spill.path.stat(), True
+            if punching:
+                assert stat.st_size > 1000 * 1000 and spill.head > 500_000  # not copied
+                assert stat.st_blocks * 512 < stat.st_size - 400_000  # the front's blocks freed
+            else:
+                assert stat.st_size < 600_000 and spill.head == 0  # the front is gone
+    assert [json.loads(v)["a"] for _, _, v in read] == list(range(appended))
+    assert spill.path.stat().st_size == 0 and spill.head == 0
+    spill.close()
+
+
+@pytest.mark.parametrize("seek_data", [True, False], ids=["SEEK_DATA", "read past the zeros"])
+def test_an_orphan_freed_at_its_front_hands_over_only_its_unacknowledged_records(
+        tmp_path, monkeypatch, seek_data):
+    """A rank killed during a resend leaves a file whose acknowledged front is freed (it
+    reads as zeros, megabytes of them): a claimer skips it, without reading it into memory
+    as one line, and sends each record not yet acknowledged once (the batch in flight at
+    the kill included)."""
+    if not punching_works(tmp_path):
+        pytest.skip("this filesystem cannot punch holes")
+    owner = SpillFile(tmp_path, "gone.0")
+    owner.append([padded(i) for i in range(3000)])  # ~3 MB
+    acknowledged = owner.read(2_000_000)
+    owner.acknowledge()
+    in_flight = owner.read(100_000)  # then the kill: not acknowledged
+    os.close(owner._fd)  # (the lock goes with it, as at a kill)
+    assert owner.path.read_bytes()[:1000] == b"\0" * 1000
+    if not seek_data:
+        lseek = os.lseek
+        def no_seek_data(fd, position, how):
+            if how == os.SEEK_DATA:
+                raise OSError(errno.EINVAL, "SEEK_DATA not supported")
+            return lseek(fd, position, how)
+        monkeypatch.setattr(os, "lseek", no_seek_data)
+    chunks: list = []
+    claim_orphans(tmp_path, lambda entries: chunks.append(entries) or True, chunk_bytes=50_000)
+    got = [json.loads(v)["a"] for chunk in chunks for _, _, v in chunk]
+    assert got == list(range(len(acknowledged), 3000))
+    assert in_flight and got[:len(in_flight)] == [json.loads(v)["a"] for _, _, v in in_flight]
+    assert max(len(chunk) for chunk in chunks) < 100  # read ~50 KB at a time, not all at once
+    assert not owner.path.exists()
