@@ -322,7 +322,7 @@ def _data_start(fd: int) -> int:
     filesystem tells where its data is (SEEK_DATA), the rest of it (a partial block)
     skipped by reading."""
     try:
-        position = os.lseek(fd, 0, os.SEEK_DATA)
+        position = os.lseek(fd, 0, os.SEEK_DATA) if hasattr(os, "SEEK_DATA") else 0
     except OSError as exc:
         if exc.errno == errno.ENXIO:  # no data at all: all of it was freed
             return os.fstat(fd).st_size
