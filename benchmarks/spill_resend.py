@@ -59,8 +59,8 @@ def written_bytes() -> int:
 
 
 def fill(spill: SpillFile, size_bytes: int) -> int:
-    records, chunk = 0, []
-    while spill.path.exists() is False or spill.path.stat().st_size < size_bytes:
+    records = 0
+    while not spill.path.exists() or spill.path.stat().st_size < size_bytes:
         chunk = [step_entry(records + i) for i in range(10_000)]
         spill.append(chunk)
         records += len(chunk)
