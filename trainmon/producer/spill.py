@@ -82,8 +82,6 @@ def _dump(entries: list[Entry]) -> str:
 def _load(data: bytes) -> list[Entry]:
     entries, skipped = [], 0
     for line in data.splitlines():
-        if not line.strip(b"\0"):
-            continue  # the newline after a front freed in place (SpillFile.acknowledge)
         # Line by line, decoding included: a torn last line from a crash mid-write, or a
         # corrupt one (bytes that are not UTF-8 after a power loss, JSON that is not a
         # record), is skipped, and the rest is still good. (Decoding the whole chunk at
@@ -320,7 +318,7 @@ def _data_start(fd: int) -> int:
     """Where a spill file's records start: past the front its owner freed (punch_front),
     which reads as zeros and may be gigabytes long, found without reading it where the
     filesystem tells where its data is (SEEK_DATA), the rest of it (a partial block)
-    skipped by reading."""
+    skipped by reading, and past the newline kept after it (SpillFile.acknowledge)."""
     try:
         position = os.lseek(fd, 0, os.SEEK_DATA) if hasattr(os, "SEEK_DATA") else 0
     except OSError as exc:
@@ -328,7 +326,7 @@ def _data_start(fd: int) -> int:
             return os.fstat(fd).st_size
         position = 0  # (a filesystem that cannot tell: read it all)
     while chunk := os.pread(fd, 1 << 16, position):
-        data = chunk.lstrip(b"\0")
+        data = chunk.lstrip(b"\0\n")  # (a record's line starts with "[")
         position += len(chunk) - len(data)
         if data:
             break
