@@ -220,6 +220,21 @@ def _started_with(pid: int, properties: Path) -> bool:
         return True  # no /proc to tell by: the pid alone
 
 
+# A broker's three listeners (internal: the brokers' own, when secured).
+PORTS = ("port", "controller_port", "internal_port")
+# How often a start that lost one of its picked ports to another process picks new ones.
+PORT_RETRIES = 3
+
+
+class PortTaken(RuntimeError):
+    """The broker's JVM exited as one of its listeners' ports was in use: ``port``, where
+    its log names it."""
+
+    def __init__(self, message: str, port: int | None):
+        super().__init__(message)
+        self.port = port
+
+
 @dataclass
 class Broker:
     """One broker process whose state (ports, pid) lives in ``data_dir/broker.json``."""
@@ -258,13 +273,36 @@ class Broker:
         self.port = self.port or state.get("port")
         self.controller_port = self.controller_port or state.get("controller_port")
         self.internal_port = self.internal_port or state.get("internal_port")
-        taken = {self.port, self.controller_port, self.internal_port}
+        # Ports neither given nor kept from a start before: picked here, free when picked
+        # but not held (the JVM binds them later), so another process may take one first.
+        # A start that fails on one picks them again (see start).
+        unset = [name for name in PORTS if not getattr(self, name)]
+        self._pick_ports()
+        self._picked = {name: getattr(self, name) for name in unset}
+        self._proc: subprocess.Popen | None = None  # the JVM this object last started
+
+    def _pick_ports(self) -> None:
+        taken = {getattr(self, name) for name in PORTS}
         # Three listeners, three distinct ports: enough fresh ones even when the state's
         # ports (of a broker gone) happen to be free again and among them.
         fresh = (p for p in free_ports(6) if p not in taken)
-        self.port = self.port or next(fresh)
-        self.controller_port = self.controller_port or next(fresh)
-        self.internal_port = self.internal_port or next(fresh)
+        for name in PORTS:
+            if not getattr(self, name):
+                setattr(self, name, next(fresh))
+
+    def pick_ports_again(self, taken: int | None) -> bool:
+        """New ports for those this object picked itself and nobody set since (`trainmon
+        up` sets its brokers' client ports), after a start found port ``taken`` (None:
+        one, not known which) in use; False if it is none of them (a port given is not
+        ours to move)."""
+        ours = [name for name, port in self._picked.items() if getattr(self, name) == port]
+        if not ours or (taken is not None and taken not in [getattr(self, name) for name in ours]):
+            return False
+        for name in ours:
+            setattr(self, name, 0)
+        self._pick_ports()
+        self._picked = {name: getattr(self, name) for name in ours}
+        return True
 
     @property
     def bootstrap(self) -> str:
@@ -395,6 +433,8 @@ class Broker:
             # A JVM of this data directory is there already (still starting, or on another
             # port than asked): a second one would fail on the log directory's lock after
             # overwriting broker.json, and the running one could no longer be stopped.
+            if self._proc is not None and self._proc.pid != running:
+                self._proc = None  # (an earlier JVM of ours, since replaced by another's)
             port = self._read_state().get("port")
             if port != self.port:
                 raise RuntimeError(f"a Kafka broker of {self.data_dir} already runs (pid {running}) on port "
@@ -402,27 +442,41 @@ class Broker:
             if wait:
                 self.wait_ready(timeout)
             return self
+        for attempt in range(PORT_RETRIES + 1):
+            self._launch()
+            if not wait:
+                return self
+            try:
+                self.wait_ready(timeout)
+                return self
+            except PortTaken as taken:
+                if attempt == PORT_RETRIES or not self.pick_ports_again(taken.port):
+                    raise
+        return self
+
+    def _launch(self) -> None:
+        """Start the JVM on this object's ports, without waiting for it."""
         self.data_dir.mkdir(parents=True, exist_ok=True)
         props = self._write_properties()
         if not (self.data_dir / "logs" / "meta.properties").exists():
             self.format(self.cluster_id or new_cluster_id(), props)
+        self._reap_watchdog()  # (a launch before this one, on ports found taken)
         log = open(self.data_dir / "broker.log", "ab")
+        self._log_start = log.tell()  # where this start's lines begin (see _exit_error)
         # A session of its own: a Ctrl-C meant for the command in the terminal does not
         # reach it (`trainmon up`'s broker outlives its command; a throwaway's owner stops
         # it in order, after its clients).
         self._recording = self._sharing.recording_path()
-        proc = subprocess.Popen(self._java("kafka.Kafka", str(props), recording=self._recording), stdout=log,
-                                stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+        with log:
+            self._proc = subprocess.Popen(self._java("kafka.Kafka", str(props), recording=self._recording),
+                                          stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
         if self.throwaway:
             from .process_lifetime import watch
 
-            self._watchdog = watch([proc.pid], grace_s=3.0, remove=self.data_dir)
+            self._watchdog = watch([self._proc.pid], grace_s=3.0, remove=self.data_dir)
         self._state_file.write_text(json.dumps(
-            {"pid": proc.pid, "port": self.port, "controller_port": self.controller_port,
+            {"pid": self._proc.pid, "port": self.port, "controller_port": self.controller_port,
              "internal_port": self.internal_port}))
-        if wait:
-            self.wait_ready(timeout, proc)
-        return self
 
     def format(self, cluster_id: str, props: Path) -> None:
         """Format the storage (once), with the SCRAM users when secured."""
@@ -434,20 +488,37 @@ class Broker:
         if done.returncode:
             raise RuntimeError(f"formatting Kafka's storage failed: {done.stdout}{done.stderr}")
 
-    def wait_ready(self, timeout: float, proc: subprocess.Popen | None = None) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                raise RuntimeError(f"Kafka broker exited with {proc.returncode}; "
-                                   f"see {self.data_dir / 'broker.log'}")
-            if _port_open(self.port, self.listen) and self._metadata_ready():
-                if self._recording is not None:  # a start without a class-data archive: make it
-                    self._sharing.make_archive(self._recording)
-                    self._recording = None
-                return
-            time.sleep(0.2)
-        self.stop()
-        raise TimeoutError(f"Kafka broker not ready on {self.bootstrap} after {timeout:.0f}s")
+    def wait_ready(self, timeout: float) -> None:
+        """Until clients get metadata from it; raises at once if the JVM this object
+        started exits (PortTaken when one of its ports was in use), TimeoutError after
+        ``timeout`` s."""
+        _wait_all_ready([self], timeout)
+
+    def ready(self) -> bool:
+        """Whether clients get metadata from it; raises if the JVM this object started
+        has exited (PortTaken when one of its ports was in use)."""
+        if self._proc is not None and self._proc.poll() is not None:
+            raise self._exit_error()
+        if not (_port_open(self.port, self.listen) and self._metadata_ready()):
+            return False
+        if self._recording is not None:  # a start without a class-data archive: make it
+            self._sharing.make_archive(self._recording)
+            self._recording = None
+        return True
+
+    def _exit_error(self) -> RuntimeError:
+        log = self.data_dir / "broker.log"
+        with open(log, "rb") as lines:
+            lines.seek(self._log_start)
+            said = lines.read().decode(errors="replace")
+        named = re.search(r"failed to bind to (\S+?):(\d+):? Address already in use", said)
+        if named:
+            return PortTaken(f"Kafka broker could not listen on {named.group(1)}:{named.group(2)}: "
+                             f"the port is in use; see {log}", int(named.group(2)))
+        if "Address already in use" in said:
+            return PortTaken(f"Kafka broker could not listen on one of ports {self.port}, "
+                             f"{self.controller_port}, {self.internal_port}: in use; see {log}", None)
+        return RuntimeError(f"Kafka broker exited with {self._proc.returncode}; see {log}")
 
     def _metadata_ready(self) -> bool:
         from .kafka_client import KafkaError, list_topics
@@ -499,6 +570,23 @@ class Broker:
                              bootstrap=self.bootstrap)
 
 
+def _wait_all_ready(brokers: list[Broker], timeout: float) -> None:
+    """Until every broker is ready; the first one's JVM to exit raises at once (a node of
+    a cluster waits for the others' quorum forever, its own process alive). After
+    ``timeout`` s, every one not ready is stopped and TimeoutError raised."""
+    deadline = time.monotonic() + timeout
+    waiting = list(brokers)
+    while waiting and time.monotonic() < deadline:
+        waiting = [broker for broker in waiting if not broker.ready()]
+        if waiting:
+            time.sleep(0.2)
+    if waiting:
+        for broker in waiting:
+            broker.stop()
+        raise TimeoutError(f"Kafka broker not ready on {', '.join(b.bootstrap for b in waiting)} "
+                           f"after {timeout:.0f}s")
+
+
 def new_cluster_id() -> str:
     """What ``kafka-storage random-uuid`` prints (Kafka's ``Uuid.randomUuid``: 16 random
     bytes in URL-safe base64 without padding, never starting with "-"), without a JVM."""
@@ -528,6 +616,9 @@ class Cluster:
                                secrets=self.secrets, node_id=i, replication=min(3, self.nodes),
                                throwaway=self.throwaway)
                         for i in range(1, self.nodes + 1)]
+        self._set_voters()
+
+    def _set_voters(self) -> None:
         voters = [(b.node_id, b.controller_port) for b in self.brokers]
         for broker in self.brokers:
             broker.voters = voters
@@ -548,9 +639,21 @@ class Cluster:
             if not (broker.data_dir / "logs" / "meta.properties").exists():
                 cluster_id = cluster_id or new_cluster_id()
                 broker.cluster_id = cluster_id
-            broker.start(wait=False)
-        for broker in self.brokers:
-            broker.wait_ready(timeout)
+        for attempt in range(PORT_RETRIES + 1):
+            for broker in self.brokers:
+                broker.start(wait=False)
+            try:
+                _wait_all_ready(self.brokers, timeout)
+                return self
+            except PortTaken as taken:
+                # A node's port was taken between picking and binding: every node stopped
+                # and started again, that node on new ports, as a controller's port is in
+                # all their voter lists.
+                self.stop()
+                moved = [broker.pick_ports_again(taken.port) for broker in self.brokers]
+                if attempt == PORT_RETRIES or not any(moved):
+                    raise
+                self._set_voters()
         return self
 
     def stop(self, timeout: float = 3.0, kill: bool = False) -> None:
