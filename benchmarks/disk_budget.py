@@ -8,7 +8,7 @@ message, one message per pack window holding the records logged in it, one messa
 request (each rank is a producer of its own, so the broker never sees two ranks' messages
 in one batch). Three packings, each sent two ways:
 
-- 1 step/s per rank: one record per message (the pack window is 0.8 s);
+- 1 step/s per rank: one record per message (the pack window is 0.5 s);
 - 10 steps/s per rank: 8 records per message;
 - 100 steps/s per rank: 80 records per message;
 - and each through a node's relay (``trainmon relay``, its 50 ms window): the messages of

@@ -70,7 +70,7 @@ from trainmon.broker import Cluster  # noqa: E402
 from trainmon.kafka_client.admin import cluster_state  # noqa: E402
 from trainmon.schemas import RECORD_TYPES  # noqa: E402
 
-GAP_S = 0.5                # acknowledgement gaps recorded from this long (the pack window is 0.8 s)
+GAP_S = 0.6                # acknowledgement gaps recorded from this long (the pack window is 0.5 s)
 P99_TARGET_MS = 1.0
 MAX_TARGET_MS = 50.0
 GAP_TARGET_S = 10.0

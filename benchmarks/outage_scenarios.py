@@ -84,7 +84,7 @@ CLOSE_TIMEOUT_S = 120.0
 DELIVERY_TARGET_S = 10.0
 CONSUMER_TARGET_S = 15.0
 # What a rank killed during an outage may lose: the records Kafka has not given up on yet
-# (the 5 s delivery timeout), the pack window (0.8 s) and the reports' interval (2 s).
+# (the 5 s delivery timeout), the pack window (0.5 s) and the reports' interval (2 s).
 LOSABLE_S = 8.0
 MID_OUTAGE_KILL_S = 20.0
 

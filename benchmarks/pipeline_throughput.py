@@ -1,12 +1,19 @@
 """Producers -> Kafka -> ClickHouse: sustained records/s and log-call-to-row latency.
 
-    python benchmarks/pipeline_throughput.py [--records 300000] [--producers 2]
+    python benchmarks/pipeline_throughput.py [--records 300000] [--producers 2] [--ranks 16]
                                              [--batch-rows N] [--batch-ms MS] [--warm-up-runs 1]
                                              [--reference CHECKOUT]
 
 Runs a real broker (its own, unless TRAINMON_KAFKA_BOOTSTRAP is set), the ClickHouse
 service as its own process on a fresh chDB directory (``trainmon consume clickhouse``),
-and producer processes that log step records through the public Producer API.
+and producer processes that log step records through the public Producer API: a job of
+``--ranks`` ranks (16), each with a Producer of its own, every rank logging every step,
+the ranks shared out among the processes (8 in each of 2 on this 2-core machine). Until
+28 Nov the two processes were ranks 0 and 1 of a nominal 16 (``--ranks 2``): two rows
+per step, where a 16-rank job writes 16. The difference is the service's: its
+``step_stats`` rollup keeps one row of aggregate states per step, so an insert of
+150,000 rows of two ranks took 0.74 s of chDB against 0.51 s with 16 ranks a step (1.26 s
+with one), measured in one process on the same rows' shape.
 
 1. burst: every producer logs its share as fast as it can; sustained records/s is the
    record count over the time from the first log call to the last row being visible.
@@ -72,42 +79,61 @@ from trainmon.broker import Broker  # noqa: E402
 from trainmon.consumers.clickhouse.sql_endpoint import find_endpoint, query_endpoint  # noqa: E402
 
 
-def produce(bootstrap: str, prefix: str, run_id: str, rank: int, count: int, rate: float,
-            start: mp.Event, results: mp.Queue, spill_dir: str, compression: str) -> None:
+def produce(bootstrap: str, prefix: str, run_id: str, ranks: list[int], count: int, rate: float,
+            start: mp.Event, results: mp.Queue, spill_dir: str, compression: str, world_size: int) -> None:
+    """``count`` step records of the ranks ``ranks``, each rank's through its own Producer
+    (as each rank of a job has one), every step logged by each of them in turn."""
     from trainmon.producer import Producer, ProducerConfig
 
-    config = ProducerConfig(bootstrap=bootstrap, topic_prefix=prefix, run_id=run_id, rank=rank,
-                            world_size=16, spill_dir=Path(spill_dir), queue_size=1_000_000)
-    if compression != "default":
-        config.compression = None if compression == "none" else compression
-    producer = Producer(config)
+    producers = []
+    for rank in ranks:
+        config = ProducerConfig(bootstrap=bootstrap, topic_prefix=prefix, run_id=run_id, rank=rank,
+                                world_size=world_size, spill_dir=Path(spill_dir) / f"rank{rank}",
+                                queue_size=1_000_000)
+        if compression != "default":
+            config.compression = None if compression == "none" else compression
+        producers.append(Producer(config))
+    steps = count // len(ranks)
     start.wait()
     began, cpu = time.perf_counter(), sum(os.times()[:2])
-    for step in range(count):
-        producer.log_step(step, epoch=0.0, step_tokens=4096, duration_ms=250.0, loss=2.0,
-                          norm=1.0, lr=3e-4, timers={"forward": 80.0, "backward": 160.0})
+    for step in range(steps):
+        for producer in producers:
+            producer.log_step(step, epoch=0.0, step_tokens=4096, duration_ms=250.0, loss=2.0,
+                              norm=1.0, lr=3e-4, timers={"forward": 80.0, "backward": 160.0})
         if rate and step % 50 == 0:
-            ahead = began + step / rate - time.perf_counter()
+            ahead = began + step * len(ranks) / rate - time.perf_counter()
             if ahead > 0:
                 time.sleep(ahead)
     logged = time.perf_counter() - began
-    producer.close(timeout=120)
+    for producer in producers:
+        producer.close(timeout=120)
     # (CPU of the whole process, librdkafka's threads too, from the first log call until
     # everything was delivered.)
-    results.put((rank, count / logged, producer.spilled, time.time(), sum(os.times()[:2]) - cpu))
+    results.put((ranks[0], steps * len(ranks) / logged, sum(p.spilled for p in producers), time.time(),
+                 sum(os.times()[:2]) - cpu))
 
 
 COMPRESSION = "default"
+# The job's ranks, all logging every step, shared out among the producer processes (--ranks).
+DEFAULT_RANKS = 16
+RANKS = DEFAULT_RANKS
+
+
+def ranks_by_process(ranks: int, producers: int) -> list[list[int]]:
+    """The job's ranks shared out among the producer processes, as many to each."""
+    if ranks % producers:
+        raise ValueError(f"{ranks} ranks cannot be shared out evenly among {producers} producer processes")
+    return [list(range(ranks))[index::producers] for index in range(producers)]
 
 
 def run_producers(bootstrap, prefix, run_id, producers, per_producer, rate, spill_dir, code: Path = REPO):
     ctx = mp.get_context("spawn")
     os.environ[CODE_ENV] = str(code)  # (a spawned process inherits the environment at start)
     start, results = ctx.Event(), ctx.Queue()
-    procs = [ctx.Process(target=produce, args=(bootstrap, prefix, run_id, rank, per_producer,
+    procs = [ctx.Process(target=produce, args=(bootstrap, prefix, run_id, ranks, per_producer,
                                                 rate / producers if rate else 0, start, results,
-                                                spill_dir, COMPRESSION))
-             for rank in range(producers)]
+                                                spill_dir, COMPRESSION, RANKS))
+             for ranks in ranks_by_process(RANKS, producers)]
     for p in procs:
         p.start()
     time.sleep(3)  # imports and connections outside the measured time
@@ -343,6 +369,9 @@ def main() -> int:
     parser.add_argument("--paced-seconds", type=float, default=10)
     parser.add_argument("--compression", default="default",
                         help="producer compression: default (the producer's), none, gzip, ...")
+    parser.add_argument("--ranks", type=int, default=DEFAULT_RANKS,
+                        help=f"the job's ranks (default {DEFAULT_RANKS}), each with a Producer of its own, shared out "
+                             "among the producer processes; every rank logs every step")
     parser.add_argument("--batch-rows", type=int, help="the service's --batch-rows (default: its own)")
     parser.add_argument("--batch-ms", type=int, help="the service's --batch-ms (default: its own)")
     parser.add_argument("--reference", metavar="CHECKOUT",
@@ -352,8 +381,12 @@ def main() -> int:
     args = parser.parse_args()
     batch_arguments = [*(["--batch-rows", str(args.batch_rows)] if args.batch_rows else []),
                        *(["--batch-ms", str(args.batch_ms)] if args.batch_ms else [])]
-    global COMPRESSION
-    COMPRESSION = args.compression
+    global COMPRESSION, RANKS
+    COMPRESSION, RANKS = args.compression, args.ranks
+    try:
+        ranks_by_process(args.ranks, args.producers)
+    except ValueError as exc:
+        parser.error(f"--ranks {args.ranks}: {exc}")
 
     # The code measured, and with --reference the code it is compared with, runs of the two
     # alternating on the same broker (ABBA): on a shared VM the rate drifts by a fifth
@@ -371,8 +404,9 @@ def main() -> int:
         if not bootstrap:
             broker = Broker(tmp / "kafka", heap="1g", throwaway=True).start()
             bootstrap = broker.bootstrap
-        total = args.records // args.producers * args.producers
-        print(f"{args.runs} runs of {total:,} step records from {args.producers} producer processes, each run "
+        total = args.records // args.ranks * args.ranks  # (every rank logs every step)
+        print(f"{args.runs} runs of {total:,} step records of a {args.ranks}-rank job (each rank a Producer, "
+              f"{args.ranks // args.producers} in each of {args.producers} processes), each run "
               f"on topics of its own with a fresh ClickHouse service"
               + (f"; this checkout's runs alternate with the reference's ({sides['reference']})"
                  if args.reference else ""), flush=True)
@@ -397,7 +431,7 @@ def main() -> int:
                     if i >= 0:
                         results[side].append(result)
                     if i == args.runs - 1:  # the side's last run: paced, on its service
-                        latency[side] = paced(bootstrap, result, args, tmp, sides[side])
+                        latency[side] = paced(bootstrap, result, service, args, tmp, sides[side])
         finally:
             if service is not None:
                 service.terminate()
@@ -427,22 +461,28 @@ def main() -> int:
     return 0
 
 
-def paced(bootstrap: str, last: dict, args, tmp: Path, code: Path) -> tuple[float, float, float]:
+def paced(bootstrap: str, last: dict, service: subprocess.Popen, args, tmp: Path,
+          code: Path) -> tuple[float, float, float, float]:
     """Producers logging at ``--paced-rate`` into the topics and service of a side's last
-    run: the latency a training job sees, log call -> row visible (p50, p99, max ms)."""
-    per = int(args.paced_rate * args.paced_seconds) // args.producers
+    run: the latency a training job sees, log call -> row visible (p50, p99, max ms), and
+    the service's CPU per record at that rate (µs; its inserts are of what came within a
+    batch's wait, not of full batches)."""
+    per = int(args.paced_rate * args.paced_seconds) // args.ranks * (args.ranks // args.producers)
     procs, start, queue = run_producers(bootstrap, last["prefix"], "paced", args.producers, per,
                                         args.paced_rate, str(tmp / "spill"), code)
+    service_process = psutil.Process(service.pid)
+    cpu = cpu_seconds(service_process)
     start.set()
     wait_rows(last["endpoint"], "paced", per * args.producers, timeout=600)
+    service_us = 1e6 * (cpu_seconds(service_process) - cpu) / (per * args.producers)
     for _ in procs:
         queue.get(timeout=120)
     for p in procs:
         p.join()
-    return latency_ms(last["endpoint"], "paced")
+    return (*latency_ms(last["endpoint"], "paced"), service_us)
 
 
-def report(side: str, results: list[dict], latency: tuple[float, float, float], args) -> dict:
+def report(side: str, results: list[dict], latency: tuple[float, float, float, float], args) -> dict:
     """Prints one side's medians and paced latency; returns the medians."""
     med = {k: median_of_measured([r[k] for r in results]) for k in ("consumer", "e2e", "e2e_steady",
                                                                       "consumer_per_cpu_s", "e2e_per_cpu_s",
@@ -463,9 +503,10 @@ def report(side: str, results: list[dict], latency: tuple[float, float, float], 
           f"{us_text(med['e2e_broker_us'])} (the machine's cores over them bound the end-to-end rate)")
     print(f"  end to end while the rows went from 10 % to 90 % of the records: {rate_text(med['e2e_steady'])} "
           f"records/s (runs: {each['e2e_steady']}; - where the rows came in too few steps to tell)")
-    p50, p99, worst = latency
+    p50, p99, worst, service_us = latency
     print(f"paced: {args.paced_rate:,.0f} records/s for {args.paced_seconds:.0f} s")
-    print(f"  log call -> row visible: p50 {p50:.0f} ms, p99 {p99:.0f} ms, max {worst:.0f} ms")
+    print(f"  log call -> row visible: p50 {p50:.0f} ms, p99 {p99:.0f} ms, max {worst:.0f} ms; "
+          f"service CPU {service_us:.1f} us a record")
     return med
 
 

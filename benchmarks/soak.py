@@ -12,7 +12,7 @@ every 5th step, an allocator record every 20th.
 
 Every ``--kill-every`` seconds one consumer, in turn clickhouse, alerts, tensorboard, gets
 ``kill -9``; the supervisor restarts it. For each kill: how long until it ran again; its
-consumer group's lag in Kafka messages (the producer packs up to 0.8 s of a rank's records
+consumer group's lag in Kafka messages (the producer packs up to 0.5 s of a rank's records
 of a kind into one) on the partitions it commits, just before the kill, at the restart and
 at its peak; and how long after the restart it had committed every message that was in
 Kafka at the restart (caught up). At the end, how long each group took to lag 0.

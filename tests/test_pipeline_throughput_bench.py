@@ -38,3 +38,12 @@ def test_a_run_without_a_rate_is_left_out_of_the_median():
 
     assert bench.median_of_measured([3.0, math.nan, 1.0, 2.0]) == 2.0
     assert math.isnan(bench.median_of_measured([math.nan]))
+
+
+def test_the_jobs_ranks_are_shared_out_evenly_each_rank_once():
+    shares = bench.ranks_by_process(16, 2)
+    assert [len(share) for share in shares] == [8, 8]
+    assert sorted(rank for share in shares for rank in share) == list(range(16))
+    assert bench.ranks_by_process(2, 2) == [[0], [1]]  # the workload before 28 Nov
+    with pytest.raises(ValueError, match="16 ranks .* 3 producer processes"):
+        bench.ranks_by_process(16, 3)

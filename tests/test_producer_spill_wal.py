@@ -28,7 +28,7 @@ from .waiting import wait_until
 # also tested in memory (test_producer_backlog_memory.py). One client halves the ~3 min.
 
 # What a kill may cost: records Kafka has not given up on yet (its 5 s delivery timeout),
-# the pack window (0.8 s) and the interval at which the sender collects Kafka's reports (2 s).
+# the pack window (0.5 s) and the interval at which the sender collects Kafka's reports (2 s).
 LOSABLE_S = 8.0
 
 

@@ -105,10 +105,15 @@ class ProducerConfig:
     # rather than one per record (see Worker): the added latency is at most the window,
     # and only while the loop logs more often than once per window; a window ends early
     # once it holds a full message (500 records). Below 1 s, so that a loop at 1 step/s
-    # still sends each record from its log call. At 10 steps/s, 0.8 s against 0.25 s
-    # took the process 199-212 µs of CPU per step against 308-323 (measured): a message
-    # costs the sender and librdkafka threads ~430 µs with cold caches.
-    pack_window_ms: int = 800
+    # still sends each record from its log call. A record's log call -> row latency is at
+    # most this plus the ClickHouse service's --batch-ms (300) plus the insert: 0.5 s
+    # keeps that under a second; 0.8 s made it 1.3 s at p99 for a 16-rank job logging
+    # 5,000 records/s (benchmarks/pipeline_throughput.py). The cost is CPU at 2-10 steps/s,
+    # a message per window: at 10 steps/s the process took 333 µs per step against 290
+    # with 0.8 s and 437 with 0.3 s (medians of 3, benchmarks/producer_overhead.py; earlier,
+    # 0.8 s against 0.25 s: 199-212 against 308-323): a message costs the sender and
+    # librdkafka threads ~430 µs with cold caches.
+    pack_window_ms: int = 500
     batch_size: int = 256 * 1024
     # Kafka compression (lz4, gzip, zstd, None); AUTO_COMPRESSION: see default_compression.
     compression: str | None = AUTO_COMPRESSION
@@ -149,7 +154,7 @@ class ProducerConfig:
             checkpoint_dir=env.get("TRAINMON_CHECKPOINT_DIR") or None,
             disk_interval_s=_seconds(env.get("TRAINMON_DISK_INTERVAL_S"), 60.0),
             health_interval_s=_seconds(env.get("TRAINMON_PRODUCER_HEALTH_INTERVAL_S"), 60.0),
-            pack_window_ms=int(_seconds(env.get("TRAINMON_PACK_WINDOW_MS"), 800)),
+            pack_window_ms=int(_seconds(env.get("TRAINMON_PACK_WINDOW_MS"), cls.pack_window_ms)),
         )
         if spill_dir:
             cfg.spill_dir = Path(spill_dir)

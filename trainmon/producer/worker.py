@@ -10,8 +10,8 @@ never block the caller, flush at exit.
 No polling when there is nothing to do: the thread sleeps until a record arrives in an
 empty queue. It then needs the GIL, which the training thread holds until its burst of
 log calls is done, so records logged together (the GPU records of one sample) leave
-together. While records come faster than one message per ``pack_window_s`` (above 1.25
-steps/s with a 0.8 s window), it stops being woken per record and gathers them on a
+together. While records come faster than one message per ``pack_window_s`` (above 2
+steps/s with a 0.5 s window), it stops being woken per record and gathers them on a
 timer instead, one message per window: a thread wake-up and a Kafka request cost far
 more than a record, and at these rates caches are cold at every wake. A window ends early
 once a full message's worth (MAX_RECORDS_PER_MESSAGE) is queued, and for a flush. A

@@ -25,7 +25,7 @@ from ..runtime import stop_on_signals
 from ..serving import add_exit_when_idle_argument, add_metrics_arguments, metrics_options, serve
 from .client import EngineBusy, Target, connect, connect_when_free
 from .schema_setup import create_all
-from .loader import BATCH_ROWS, ClickHouseSink
+from .loader import BATCH_MS, BATCH_ROWS, ClickHouseSink
 from .sql_endpoint import DEFAULT_LISTEN, SqlEndpoint, listen_problem
 
 log = logging.getLogger("trainmon.clickhouse")
@@ -44,8 +44,8 @@ def add_batch_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-rows", type=int, default=BATCH_ROWS,
                         help=f"insert when this many rows are buffered (default {BATCH_ROWS}: fewer, larger "
                              "parts; a trickle is inserted by --batch-ms first)")
-    parser.add_argument("--batch-ms", type=int, default=500,
-                        help="insert buffered rows at the latest after this long (default 500)")
+    parser.add_argument("--batch-ms", type=int, default=BATCH_MS,
+                        help=f"insert buffered rows at the latest after this long (default {BATCH_MS})")
     parser.add_argument("--insert-threads", type=int,
                         default=int(os.environ.get("TRAINMON_CLICKHOUSE_INSERT_THREADS") or 2),
                         help="partitions inserted side by side, each thread with its own "
