@@ -654,6 +654,9 @@ class Cluster:
                 if attempt == PORT_RETRIES or not any(moved):
                     raise
                 self._set_voters()
+            except RuntimeError:
+                self.stop()  # (a node that exited otherwise: the others wait for it in vain)
+                raise
         return self
 
     def stop(self, timeout: float = 3.0, kill: bool = False) -> None:
