@@ -9,11 +9,11 @@ request (each rank is a producer of its own, so the broker never sees two ranks'
 in one batch). Three packings, each sent two ways:
 
 - 1 step/s per rank: one record per message (the pack window is 0.5 s);
-- 10 steps/s per rank: 8 records per message;
-- 100 steps/s per rank: 80 records per message;
+- 10 steps/s per rank: 5 records per message (a pack window's);
+- 100 steps/s per rank: 50 records per message;
 - and each through a node's relay (``trainmon relay``, its 50 ms window): the messages of
   all ``--ranks`` ranks of one pack window in one Kafka message, rank after rank, up to
-  MAX_RECORDS_PER_MESSAGE (1 step/s: 8 records, one per rank; 10 steps/s: 64);
+  MAX_RECORDS_PER_MESSAGE (1 step/s: 8 records, one per rank; 10 steps/s: 40);
 - and 1 step/s through a relay with a 3 s window (``--window-ms 3000``, not the default:
   3 s more latency): 24 records per message.
 
@@ -51,14 +51,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainmon import topics  # noqa: E402
 from trainmon.broker import Broker  # noqa: E402
 from trainmon.kafka_client import Producer, create_topics  # noqa: E402
+from trainmon.producer import ProducerConfig  # noqa: E402
 from trainmon.relay.server import KAFKA_COMPRESSION  # noqa: E402
 from trainmon.schemas import (MAX_RECORDS_PER_MESSAGE, SCHEMA_HEADER, StepRecord, encode, pack,  # noqa: E402
                               schema_fingerprint)
 
 TARGET_BYTES = 100
 # packing -> (records per rank per message, through a node relay)
-PACKINGS = {"1 step/s": (1, False), "10 steps/s": (8, False), "100 steps/s": (80, False),
-            "1 step/s, relay": (1, True), "10 steps/s, relay": (8, True), "100 steps/s, relay": (80, True),
+PER_WINDOW = {rate: max(1, int(rate * ProducerConfig.pack_window_ms / 1000)) for rate in (1, 10, 100)}
+PACKINGS = {"1 step/s": (PER_WINDOW[1], False), "10 steps/s": (PER_WINDOW[10], False),
+            "100 steps/s": (PER_WINDOW[100], False), "1 step/s, relay": (PER_WINDOW[1], True),
+            "10 steps/s, relay": (PER_WINDOW[10], True), "100 steps/s, relay": (PER_WINDOW[100], True),
             # trainmon relay --window-ms 3000: 3 s more latency, not the default
             "1 step/s, relay 3 s window": (3, True)}
 BROKER_COMPRESSIONS = {"zstd": {"compression.type": "zstd"},
