@@ -460,7 +460,7 @@ class Broker:
         props = self._write_properties()
         if not (self.data_dir / "logs" / "meta.properties").exists():
             self.format(self.cluster_id or new_cluster_id(), props)
-        self._reap_watchdog()  # (a launch before this one, on ports found taken)
+        self._reap_watchdog()  # (a launch before this one, its JVM since gone)
         log = open(self.data_dir / "broker.log", "ab")
         self._log_start = log.tell()  # where this start's lines begin (see _exit_error)
         # A session of its own: a Ctrl-C meant for the command in the terminal does not
@@ -498,6 +498,7 @@ class Broker:
         """Whether clients get metadata from it; raises if the JVM this object started
         has exited (PortTaken when one of its ports was in use)."""
         if self._proc is not None and self._proc.poll() is not None:
+            self._reap_watchdog()  # (it leaves with the JVM: not left a zombie when this raises)
             raise self._exit_error()
         if not (_port_open(self.port, self.listen) and self._metadata_ready()):
             return False
