@@ -15,6 +15,8 @@ own, one after the other, trainmon against a broker:
   process: what the machine alone adds to a call of that length;
 - the floor: a no-op Python call made the same way (``no-op``), what a caller costs on this
   machine with nothing in it;
+- the caller's figures time the library's call alone: the step's values are made before
+  it, as a training loop has them in hand (the same work for every library);
 - ``trainmon-relay``: trainmon through a node's relay (``trainmon relay``, its own process,
   started per case): ``--relay-ranks`` rank processes (8, a node's GPUs; 1 for the tight
   loop) log at once through one relay, and each rank's figure is its own process's CPU
@@ -73,6 +75,17 @@ def step_fields(i: int) -> dict:
 
 def peer_metrics(i: int) -> dict:
     return {f"train/{name}": value for name, value in step_fields(i).items()}
+
+
+def metrics_for(library: str):
+    """i -> what the library's log call takes for step i: made before the call is timed,
+    as a training loop has its values in hand (its own work, the same for every library,
+    whose cost with cold caches, ~20 µs here, would otherwise count as the library's)."""
+    return step_fields if library in OURS or library == FLOOR else peer_metrics
+
+
+def _no_op(i: int, **fields) -> None:
+    pass
 
 
 # -- one case, in its own process ------------------------------------------------------
@@ -147,7 +160,8 @@ def wakeups(before: dict, after: dict, seconds: float) -> dict[str, list[float]]
 
 
 def make_logger(library: str, bootstrap: str, tmp: str):
-    """(log(i), close()) for the library, connected and warmed up (a step logged)."""
+    """(log(i, metrics), close()) for the library, connected and warmed up (a step
+    logged); ``metrics``: ``metrics_for(library)(i)``."""
     if library in OURS:
         from trainmon.producer import Producer, ProducerConfig
 
@@ -162,11 +176,11 @@ def make_logger(library: str, bootstrap: str, tmp: str):
         for _ in range(2):
             producer.log_step(0, **step_fields(0))
             assert producer.flush(30), "the broker did not take the warm-up record"
-        return (lambda i: producer.log_step(i, **step_fields(i))), producer.close
+        return (lambda i, metrics: producer.log_step(i, **metrics)), producer.close
     if library == FLOOR:
-        return (lambda i: None), (lambda: None)
+        return (lambda i, metrics: _no_op(i, **metrics)), (lambda: None)
     log, close = _PEERS[library](tmp)
-    log(0)
+    log(0, peer_metrics(0))
     return log, close
 
 
@@ -175,8 +189,8 @@ def _tensorboard(tmp: str):
 
     writer = SummaryWriter(logdir=tmp)
 
-    def log(i: int) -> None:
-        for name, value in peer_metrics(i).items():
+    def log(i: int, metrics: dict) -> None:
+        for name, value in metrics.items():
             writer.add_scalar(name, value, i)
 
     return log, writer.close
@@ -187,7 +201,7 @@ def _trackio(tmp: str):
     import trackio
 
     trackio.init(project="trainmon-bench", auto_log_gpu=False, auto_log_cpu=False)
-    return (lambda i: trackio.log(peer_metrics(i), step=i)), trackio.finish
+    return (lambda i, metrics: trackio.log(metrics, step=i)), trackio.finish
 
 
 def _mlflow(tmp: str):
@@ -197,7 +211,7 @@ def _mlflow(tmp: str):
 
     mlflow.set_tracking_uri(Path(tmp, "mlruns").as_uri())
     mlflow.start_run()
-    return (lambda i: mlflow.log_metrics(peer_metrics(i), step=i, synchronous=False)), mlflow.end_run
+    return (lambda i, metrics: mlflow.log_metrics(metrics, step=i, synchronous=False)), mlflow.end_run
 
 
 def _wandb(tmp: str):
@@ -205,7 +219,7 @@ def _wandb(tmp: str):
     import wandb
 
     run = wandb.init(project="trainmon-bench", dir=tmp, mode="offline")
-    return (lambda i: wandb.log(peer_metrics(i), step=i)), run.finish
+    return (lambda i, metrics: wandb.log(metrics, step=i)), run.finish
 
 
 _PEERS = {"tensorboard": _tensorboard, "trackio": _trackio, "mlflow": _mlflow, "wandb": _wandb}
@@ -225,6 +239,7 @@ def aligned_start() -> float | None:
 def run_case(library: str, case: str, seconds: float, bootstrap: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         log, close = make_logger(library, bootstrap, tmp)
+        metrics = metrics_for(library)
         time.sleep(1.0)  # let start-up work (connections, the first delivery) settle
         start_at = aligned_start()
         if start_at is not None:
@@ -240,8 +255,9 @@ def run_case(library: str, case: str, seconds: float, bootstrap: str) -> dict:
             steps = 0
         elif case == "tight":
             for i in range(1, TIGHT_CALLS + 1):
+                values = metrics(i)
                 started = clock()
-                log(i)
+                log(i, values)
                 timings.append((clock() - started) / 1000.0)
             steps = TIGHT_CALLS
         else:
@@ -251,8 +267,9 @@ def run_case(library: str, case: str, seconds: float, bootstrap: str) -> dict:
                 wait = t0 + i / rate - time.monotonic()
                 if wait > 0:
                     time.sleep(wait)
+                values = metrics(i)
                 started = clock()
-                log(i)
+                log(i, values)
                 timings.append((clock() - started) / 1000.0)
             time.sleep(max(0.0, t0 + (steps + 1) / rate - time.monotonic()))  # its last interval
         cpu, elapsed = cpu.used_s(), time.monotonic() - t0

@@ -135,3 +135,13 @@ def test_repeated_runs_report_each_cases_median_run_and_print_every_run(capsys):
     assert lines[4].split() == ["(runs)", "450/400/900", "3500/5100/4100"]
     assert "CPU per step at 1 steps/s <= 1/10 of wandb's: 0.11x (MISSED)" in lines
     assert not [line for line in lines if line.startswith(("idle <=", "caller p99 <= 20 us (tight"))]
+
+
+def test_the_floor_is_called_as_trainmon_is_with_the_values_made_before_the_call():
+    log, close = po.make_logger(po.FLOOR, bootstrap="unused", tmp="unused")
+    metrics = po.metrics_for(po.FLOOR)
+
+    assert metrics is po.metrics_for("trainmon")  # log_step's keyword arguments
+    assert log(7, metrics(7)) is None  # (called as log_step is: step, **values)
+    assert set(po.metrics_for("wandb")(7)) == {f"train/{name}" for name in metrics(7)}
+    close()
