@@ -15,6 +15,9 @@ own, one after the other, trainmon against a broker:
   process: what the machine alone adds to a call of that length;
 - the floor: a no-op Python call made the same way (``no-op``), what a caller costs on this
   machine with nothing in it;
+- a case's CPU is read once the process has gone quiet after its loop (1 % of a core over
+  a second at most): what the last calls left queued in the library's threads or
+  children is part of their cost (a tight loop left trainmon half its sending);
 - the caller's figures time the library's call alone: the step's values are made before
   it, as a training loop has them in hand (the same work for every library);
 - ``trainmon-relay``: trainmon through a node's relay (``trainmon relay``, its own process,
@@ -56,6 +59,10 @@ from _common import broker_bootstrap, percentile  # noqa: E402
 RATES = (1, 10, 100)
 CASES = ("idle", *map(str, RATES), "tight")
 TIGHT_CALLS = 20_000
+# After a case's loop, its CPU is read once the process has gone quiet (ProcessCpu.settle):
+# at most 1 % of a core over 1 s (every library's idle is under a third of that), sampled
+# every 0.1 s, waiting 120 s at most.
+SETTLE_QUIET_S, SETTLE_SAMPLE_S, SETTLE_CPU_SHARE, SETTLE_TIMEOUT_S = 1.0, 0.1, 0.01, 120.0
 PEERS = ("tensorboard", "trackio", "mlflow", "wandb")
 # The floor: a Python function that does nothing, called as log_step is. After the loop's
 # sleep the interpreter runs with cold caches; on a shared VM even this call takes
@@ -116,6 +123,29 @@ class ProcessCpu:
             except self._psutil.Error:
                 pass
         return total
+
+    def _now_s(self) -> float:
+        """Now, cheaply: this process and the children known at the start (no walk)."""
+        return self._own_s() + self._children_s()
+
+    def settle(self, quiet_s: float = SETTLE_QUIET_S, timeout_s: float = SETTLE_TIMEOUT_S) -> bool:
+        """Wait until the process (threads and children) has gone quiet: at most
+        ``SETTLE_CPU_SHARE`` of a core over the last ``quiet_s``. The loop's last calls
+        leave work behind in the library's threads and children (its queue, a pack window,
+        a service process); without waiting for it a tight loop of 20,000 trainmon calls
+        measured 6-8 µs a step, and 14-16 with its queue sent. ``quiet_s`` outlasts
+        trainmon's 0.5 s pack window. False if still busy after ``timeout_s``."""
+        samples = [(time.monotonic(), self._now_s())]
+        deadline = samples[0][0] + timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(SETTLE_SAMPLE_S)
+            samples.append((time.monotonic(), self._now_s()))
+            while len(samples) > 2 and samples[-1][0] - samples[1][0] >= quiet_s:
+                samples.pop(0)
+            (t_first, cpu_first), (t_last, cpu_last) = samples[0], samples[-1]
+            if t_last - t_first >= quiet_s and cpu_last - cpu_first <= SETTLE_CPU_SHARE * (t_last - t_first):
+                return True
+        return False
 
     def used_s(self) -> float:
         own = self._own_s()
@@ -272,12 +302,14 @@ def run_case(library: str, case: str, seconds: float, bootstrap: str) -> dict:
                 log(i, values)
                 timings.append((clock() - started) / 1000.0)
             time.sleep(max(0.0, t0 + (steps + 1) / rate - time.monotonic()))  # its last interval
+        # What the loop's calls left queued is part of their cost (idle: nothing logged).
+        settled = case == "idle" or cpu.settle()
         cpu, elapsed = cpu.used_s(), time.monotonic() - t0
         threads = wakeups(threads_before, thread_activity(), elapsed)
         threads.pop(threading.main_thread().name, None)
         close()
     timings.sort()
-    return {"cpu_s": cpu, "elapsed_s": elapsed, "steps": steps, "threads": threads,
+    return {"cpu_s": cpu, "elapsed_s": elapsed, "steps": steps, "threads": threads, "settled": settled,
             "t0": t0, "t1": t0 + elapsed,  # (CLOCK_MONOTONIC: the same in every process)
             "mean_us": statistics.fmean(timings) if timings else None,
             "p99_us": percentile(timings, 99) if timings else None,
@@ -394,6 +426,7 @@ def merge_ranks(results: list[dict], relay_s: float) -> dict:
     return {"cpu_s": (sum(r["cpu_s"] for r in results) + relay_s) / ranks,
             "elapsed_s": mean(r["elapsed_s"] for r in results), "steps": mean(r["steps"] for r in results),
             "threads": results[0]["threads"], "ranks": ranks, "relay_cpu_s": relay_s / ranks,
+            "settled": all(r.get("settled", True) for r in results),
             "mean_us": mean(r["mean_us"] for r in results) if results[0]["mean_us"] is not None else None,
             "p99_us": max(r["p99_us"] for r in results) if results[0]["p99_us"] is not None else None,
             "same_length_p99_us": max((r.get("same_length_p99_us") or 0 for r in results), default=0) or None}
@@ -465,9 +498,12 @@ def main() -> None:
             for case in cases:
                 for library in (libraries if repeat % 2 == 0 else libraries[::-1]):
                     print(f"  measuring {library} {case} ({repeat + 1}/{args.repeats}) ...", file=sys.stderr, flush=True)
-                    runs.setdefault((library, case), []).append(
-                        measure(library, case, args.seconds, bootstrap, args.client,
-                                args.relay_ranks, not args.relay_ranks_apart))
+                    run = measure(library, case, args.seconds, bootstrap, args.client,
+                                  args.relay_ranks, not args.relay_ranks_apart)
+                    if not run.get("settled", True):
+                        print(f"  {library} {case}: still busy {SETTLE_TIMEOUT_S:g} s after its loop; "
+                              f"its CPU was read as it stood", file=sys.stderr, flush=True)
+                    runs.setdefault((library, case), []).append(run)
     results = {key: median_run(case_runs, key[1]) for key, case_runs in runs.items()}
     report(results, libraries, args.client, load_before, load(), cases, runs)
 

@@ -5,6 +5,7 @@ Pure, in memory: no broker, no tracker imported."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -145,3 +146,38 @@ def test_the_floor_is_called_as_trainmon_is_with_the_values_made_before_the_call
     assert log(7, metrics(7)) is None  # (called as log_step is: step, **values)
     assert set(po.metrics_for("wandb")(7)) == {f"train/{name}" for name in metrics(7)}
     close()
+
+
+def _spin(seconds: float, done: threading.Event) -> None:
+    until = time.thread_time() + seconds  # this thread's own CPU: it spins for that long
+    while time.thread_time() < until:
+        pass
+    done.set()
+
+
+def test_a_case_is_read_once_the_work_its_calls_left_behind_is_done():
+    """A library's thread still sending what the loop queued is part of the loop's cost:
+    the CPU is read only once the process went quiet."""
+    cpu = po.ProcessCpu()
+    done = threading.Event()
+    worker = threading.Thread(target=_spin, args=(0.4, done))
+    worker.start()
+    try:
+        assert cpu.settle(quiet_s=0.3, timeout_s=30)
+        assert done.is_set()
+        assert cpu.used_s() >= 0.4
+    finally:
+        worker.join(30)
+
+
+def test_a_process_that_stays_busy_is_read_at_the_timeout():
+    cpu = po.ProcessCpu()
+    done = threading.Event()
+    worker = threading.Thread(target=_spin, args=(3.0, done))
+    worker.start()
+    try:
+        started = time.monotonic()
+        assert not cpu.settle(quiet_s=0.3, timeout_s=0.8)
+        assert not done.is_set() and time.monotonic() - started < 3.0
+    finally:
+        worker.join(30)
