@@ -658,7 +658,7 @@ class Cluster:
             except RuntimeError:
                 self.stop()  # (a node that exited otherwise: the others wait for it in vain)
                 raise
-        return self
+        raise AssertionError("not reached: the last attempt returns or raises")
 
     def stop(self, timeout: float = 3.0, kill: bool = False) -> None:
         """Every node told at once, each given ``timeout`` to end, then SIGKILL. A node
