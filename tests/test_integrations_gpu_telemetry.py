@@ -6,6 +6,7 @@ torch.cuda paths are checked by scripts/gpu_check.py on one, tests/data/gpu)."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -31,12 +32,24 @@ MODEL = {"id": 0, "name": "NVIDIA H200", "sm_count": 132, "major": 9, "minor": 0
 @pytest.fixture
 def a_gpu(monkeypatch):
     """NVML readings every 20 ms, a gpu_model, and torch.cuda's counters on every
-    allocator record."""
+    allocator record. A reading waits (10 s at most) for training to have logged a step:
+    on a loaded machine the sampler's thread may otherwise not run again between its
+    first reading, at step 0, and the end of a 12-step fit (seen once under the suite)."""
     reading = NvmlReading(index=0, clock_mhz=1980, max_clock_mhz=1980, power_mw=600_000,
                           power_limit_mw=700_000, temperature_c=50, slowdown_temperature_c=89,
                           gpu_util_percent=98, memory_util_percent=40, memory_free_bytes=2**30)
-    monkeypatch.setattr(gpu_telemetry, "GpuSampler", lambda producer: GpuSampler(
-        producer, interval_s=0.02, health_interval_s=0, reader=lambda: [reading]))
+
+    def sampler(producer):
+        made = GpuSampler(producer, interval_s=0.02, health_interval_s=0, reader=lambda: read(made))
+        return made
+
+    def read(made: GpuSampler) -> list:
+        deadline = time.monotonic() + 10
+        while made.step == 0 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        return [reading]
+
+    monkeypatch.setattr(gpu_telemetry, "GpuSampler", sampler)
     monkeypatch.setattr(gpu_telemetry, "gpu_model_fields", lambda: dict(MODEL))
     monkeypatch.setattr(gpu_telemetry, "_cuda_in_use", lambda: True)
     real = gpu_telemetry.allocator_fields
