@@ -15,9 +15,9 @@ own, one after the other, trainmon against a broker:
   process: what the machine alone adds to a call of that length;
 - the floor: a no-op Python call made the same way (``no-op``), what a caller costs on this
   machine with nothing in it;
-- a case's CPU is read once the process has gone quiet after its loop (1 % of a core over
-  a second at most): what the last calls left queued in the library's threads or
-  children is part of their cost (a tight loop left trainmon half its sending);
+- a tight loop's CPU is read once the process has gone quiet after it (1 % of a core over
+  a second at most): what its last calls left queued in the library's threads or children
+  is part of their cost (20,000 calls left trainmon half its sending);
 - the caller's figures time the library's call alone: the step's values are made before
   it, as a training loop has them in hand (the same work for every library);
 - ``trainmon-relay``: trainmon through a node's relay (``trainmon relay``, its own process,
@@ -59,7 +59,7 @@ from _common import broker_bootstrap, percentile  # noqa: E402
 RATES = (1, 10, 100)
 CASES = ("idle", *map(str, RATES), "tight")
 TIGHT_CALLS = 20_000
-# After a case's loop, its CPU is read once the process has gone quiet (ProcessCpu.settle):
+# After a tight loop, its CPU is read once the process has gone quiet (ProcessCpu.settle):
 # at most 1 % of a core over 1 s (every library's idle is under a third of that), sampled
 # every 0.1 s, waiting 120 s at most.
 SETTLE_QUIET_S, SETTLE_SAMPLE_S, SETTLE_CPU_SHARE, SETTLE_TIMEOUT_S = 1.0, 0.1, 0.01, 120.0
@@ -302,8 +302,10 @@ def run_case(library: str, case: str, seconds: float, bootstrap: str) -> dict:
                 log(i, values)
                 timings.append((clock() - started) / 1000.0)
             time.sleep(max(0.0, t0 + (steps + 1) / rate - time.monotonic()))  # its last interval
-        # What the loop's calls left queued is part of their cost (idle: nothing logged).
-        settled = case == "idle" or cpu.settle()
+        # A tight loop leaves much of its work queued, which is part of its cost. A paced
+        # one leaves at most a pack window's (2.5 % of its records at 10 steps/s), less than
+        # the library's idle over the wait would add (wandb: ~150 us a step at 1 step/s).
+        settled = case != "tight" or cpu.settle()
         cpu, elapsed = cpu.used_s(), time.monotonic() - t0
         threads = wakeups(threads_before, thread_activity(), elapsed)
         threads.pop(threading.main_thread().name, None)
