@@ -303,8 +303,9 @@ def run_case(library: str, case: str, seconds: float, bootstrap: str) -> dict:
                 timings.append((clock() - started) / 1000.0)
             time.sleep(max(0.0, t0 + (steps + 1) / rate - time.monotonic()))  # its last interval
         # A tight loop leaves much of its work queued, which is part of its cost. A paced
-        # one leaves at most a pack window's (2.5 % of its records at 10 steps/s), less than
-        # the library's idle over the wait would add (wandb: ~150 us a step at 1 step/s).
+        # one leaves at most a pack window's records uncounted (2.5 % of them at 10 steps/s),
+        # and waiting for quiet would count the library's idle over the wait instead, unevenly
+        # (wandb's: ~150 us a step at 1 step/s; TensorBoard's: none).
         settled = case != "tight" or cpu.settle()
         cpu, elapsed = cpu.used_s(), time.monotonic() - t0
         threads = wakeups(threads_before, thread_activity(), elapsed)
